@@ -1,0 +1,125 @@
+"""Public entry points: the deployment form :func:`flush_inplace` and the functional forms :func:`run` (KDA) and
+:func:`run_gdn` (GDN), both of which go through the dispatch."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from . import dispatch, reference
+from .layout import K, L, Pool
+from .validate import check_flush_args, check_pool, check_run_args
+
+dispatch.register(dispatch.Backend(
+    name="reference",
+    flush=reference.flush_inplace,
+    reasons=lambda pool: [],
+    description="fp32 torch, any device (the semantic definition; slow, host-synchronising)",
+    versions=lambda: {"torch": torch.__version__},
+))
+
+
+@torch.compiler.disable
+def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: str | None = None) -> None:
+    """Flush every due program of the rows in ``idx``, in place.
+
+    pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (0 = skip the row). q0: fp32 [V, R], the
+    start of the subspace iteration, shared by all programs. A program (slot, head) is due when ``hcnt == L``; its
+    checkpoint is rewritten and its window reset (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt``
+    stays ``L``. Everything else in the pool stays bitwise untouched.
+
+    backend: ``None`` (LEAPQUANT_BACKEND / use_backend / auto), or one of ``auto, reference, triton, tilelang``.
+    Raises ValueError on bad arguments (before any launch) and BackendUnavailable (a ValueError) when a forced
+    backend cannot serve."""
+    check_flush_args(pool, idx, q0)
+    dispatch.select(pool, idx.numel(), backend).flush(pool, idx, q0)
+
+
+def warmup(pool: Pool, *, backend: str | None = None) -> str:
+    """Compile / load the chosen backend's kernel for ``pool`` outside any graph capture; returns its name."""
+    check_pool(pool)
+    b = dispatch.select(pool, pool.num_slots, backend)
+    if b.warmup is not None:
+        b.warmup(pool)
+    return b.name
+
+
+_POOLS: dict[tuple, Pool] = {}
+
+
+def _scratch_pool(B: int, H: int, device: torch.device, gate: str) -> Pool:
+    key = (B, H, str(device), gate)
+    pool = _POOLS.get(key)
+    if pool is None:
+        if len(_POOLS) > 8:
+            _POOLS.clear()
+        pool = _POOLS[key] = Pool(B + 1, H, device=device, gate=gate)
+    return pool
+
+
+def _run(gate: str, args: dict[str, torch.Tensor], backend: str | None) -> tuple[torch.Tensor, ...]:
+    B, H, dev = check_run_args(gate, args)
+    pool = _scratch_pool(B, H, dev, gate)
+    rows = torch.arange(1, B + 1, device=dev)
+    pool.write_checkpoint(rows, args["codes"], args["s_k"], args["s_v"], args["u"], args["q"])
+    gate_arg = args["pcum"] if gate == "kda" else args["p"]
+    pool.write_window(rows, args["kbuf"], args["ubuf"], args["w"], gate_arg, args.get("gbuf"), fill=L)
+    flush_inplace(pool, rows.to(torch.int32), args["q0"].contiguous(), backend=backend)
+    return pool.read_checkpoint(rows)
+
+
+def run(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+        kbuf: torch.Tensor, ubuf: torch.Tensor, gbuf: torch.Tensor, w: torch.Tensor, pcum: torch.Tensor,
+        q0: torch.Tensor, *, backend: str | None = None) -> tuple[torch.Tensor, ...]:
+    """Functional KDA flush, every program due. Leading dims [B, H]:
+    codes int8 [B, H, V, K], s_k fp32 [B, H, K], s_v fp32 [B, H, V], u fp16 [B, H, R, K], q fp16 [B, H, R, V],
+    kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32 [B, H, L], pcum fp32 [B, H, K],
+    q0 fp32 [V, R]. Returns fresh ``(codes, s_k, s_v, u, q)`` of the same shapes and dtypes."""
+    return _run("kda", dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, kbuf=kbuf, ubuf=ubuf, gbuf=gbuf, w=w,
+                            pcum=pcum, q0=q0), backend)
+
+
+def run_gdn(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+            kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor, p: torch.Tensor, q0: torch.Tensor, *,
+            backend: str | None = None) -> tuple[torch.Tensor, ...]:
+    """Functional GDN flush, every program due: as :func:`run` with the scalar gate product p fp32 [B, H] in place
+    of gbuf and pcum."""
+    return _run("gdn", dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, kbuf=kbuf, ubuf=ubuf, w=w, p=p, q0=q0),
+                backend)
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "tilelang"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = "not installed"
+    return out
+
+
+def device_description(device: torch.device | str | None = None) -> str:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def backend_info(device: torch.device | str | None = None, num_heads: int = 32, gate: str = "kda",
+                 num_rows: int = 256) -> list[dict]:
+    """Every backend, available or not, with the reasons it cannot serve a pool of this geometry on ``device``."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    probe = Pool(2, num_heads, device=device, gate=gate)
+    order = dispatch.auto_order(probe, num_rows)
+    rows = []
+    for name in dispatch.BACKENDS:
+        why = dispatch.reasons(name, probe)
+        b = dispatch.get_backend(name)
+        rows.append(dict(name=name, available=not why, reasons=why,
+                         auto_rank=order.index(name) + 1 if name in order else None,
+                         description=b.description if b else "", versions=b.versions() if b else {}))
+    return rows
+
+
+__all__ = ["flush_inplace", "run", "run_gdn", "warmup", "backend_info", "versions", "device_description", "K"]

@@ -1,0 +1,27 @@
+"""Which GPU kernel ``auto`` prefers, from committed measurements (not guesses).
+
+On sm_100 the TileLang kernel is the design target and is preferred. On sm_90 the choice between TileLang and Triton
+follows the H200 results committed under ``bench/results/``: :data:`SM90_TILELANG_FASTER_FROM` is the smallest batch
+(rows per call) at which the TileLang kernel was measured faster than the Triton kernel (``None``: never measured
+faster, so Triton is preferred at every batch).
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import Pool
+
+#: source: bench/results/ (see the README there); None until a TileLang kernel is measured faster on the H200
+SM90_TILELANG_FASTER_FROM: int | None = None
+
+
+def preferred(pool: Pool, num_rows: int) -> list[str]:
+    """GPU backends in order of preference for a call of ``num_rows`` rows on ``pool``'s device."""
+    major, minor = torch.cuda.get_device_capability(pool.device)
+    if major == 10:
+        return ["tilelang", "triton"]
+    if (major, minor) == (9, 0):
+        if SM90_TILELANG_FASTER_FROM is not None and num_rows >= SM90_TILELANG_FASTER_FROM:
+            return ["tilelang", "triton"]
+        return ["triton", "tilelang"]
+    return ["triton"]
