@@ -169,13 +169,21 @@ def _family(name: str, n: int, gate: str, g: torch.Generator, q0: torch.Tensor):
 
 
 def _simulate(n: int, gate: str, g: torch.Generator, q0: torch.Tensor, steps: int = L):
-    """Decode ``steps`` tokens from a prefilled, compressed state with the delta rule, recording the window.
-
-    Per step t: decay S by the gate (KDA per channel, GDN scalar), predict ``S k_t``, buffer the correction
-    ``u_t = v_t - S k_t`` with weight ``beta_t``, and apply ``S += beta_t u_t k_t^T`` (with the rounded entries, as
-    the stored window is what the flush sees)."""
+    """A prefilled, compressed state and the window of ``steps`` decode tokens from it (see simulate_window)."""
     ck = compress(_low_rank_noise(n, g, scale=0.1), q0)
-    S = decode_checkpoint(*ck)
+    return ck, simulate_window(ck, gate, g, steps)
+
+
+def simulate_window(checkpoint: Sequence[torch.Tensor], gate: str, g: torch.Generator, steps: int = L
+                    ) -> dict[str, torch.Tensor]:
+    """The window of ``steps`` decode tokens of the delta rule from a checkpoint (leading dim [n], CPU).
+
+    Per step t: decay S by the gate (KDA per channel: g = -exp(A_log) softplus(x + dt_bias); GDN scalar), predict
+    ``S k_t`` with an L2-normalised key, buffer the correction ``u_t = v_t - S k_t`` with weight ``beta_t =
+    sigmoid(.)``, and apply ``S += beta_t u_t k_t^T`` with the rounded entries (the stored window is what the flush
+    sees). Returns kbuf, ubuf, w and pcum + gbuf (KDA) or p (GDN; each entry's later decay folded into w)."""
+    S = decode_checkpoint(*checkpoint)
+    n = S.shape[0]
     k = torch.randn(n, L, K, generator=g)
     k = (k / k.norm(dim=-1, keepdim=True)).to(torch.bfloat16)
     v = torch.randn(n, L, V, generator=g)
@@ -187,6 +195,8 @@ def _simulate(n: int, gate: str, g: torch.Generator, q0: torch.Tensor, steps: in
     else:
         logg = -F.softplus(torch.randn(n, L, generator=g) - 2.0)
         decay = torch.exp(logg)[..., None].expand(n, L, K)
+    w = beta.clone()
+    w[:, steps:] = 0.0
     for t in range(steps):
         S = S * decay[:, t].unsqueeze(1)
         kt = k[:, t].float()
@@ -195,11 +205,11 @@ def _simulate(n: int, gate: str, g: torch.Generator, q0: torch.Tensor, steps: in
         S = S + beta[:, t, None, None] * ut.float().unsqueeze(-1) * kt.unsqueeze(-2)
     win = dict(kbuf=k, ubuf=ubuf)
     if gate == "kda":
-        win.update(w=beta, gbuf=gbuf, pcum=logg.sum(dim=1))
+        win.update(w=w, gbuf=gbuf, pcum=logg.sum(dim=1))
     else:
         after = torch.flip(torch.cumsum(torch.flip(logg, [1]), 1), [1]) - logg
-        win.update(w=beta * torch.exp(after), p=torch.exp(logg.sum(dim=1)).clamp_min(FP32_TINIEST))
-    return ck, win
+        win.update(w=w * torch.exp(after), p=torch.exp(logg.sum(dim=1)).clamp_min(FP32_TINIEST))
+    return win
 
 
 # ---- the case ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""Bad input raises a ValueError naming the argument, before any launch, and leaves the pool untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leapquant as lq
+from leapquant import families
+from helpers import fill_noise, snapshot
+
+
+@pytest.fixture(params=["kda", "gdn"])
+def pool(request):
+    p = lq.Pool(4, 3, gate=request.param)
+    fill_noise(p)
+    p.hcnt.fill_(lq.L)
+    return p
+
+
+def _expect_rejected(pool, idx, q0, match, **kw):
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match=match):
+        lq.flush_inplace(pool, idx, q0, **kw)
+    after = snapshot(pool)
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"{name} changed by a rejected call"
+
+
+IDX = torch.tensor([1, 2], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("idx, match", [
+    (torch.tensor([1, 2], dtype=torch.int64), "idx: expected dtype torch.int32"),
+    (torch.tensor([[1, 2]], dtype=torch.int32), "idx: expected a 1-D tensor"),
+    (torch.tensor([1, 4], dtype=torch.int32), r"idx: slots must lie in \[0, 4\)"),
+    (torch.tensor([-1, 2], dtype=torch.int32), r"idx: slots must lie in \[0, 4\)"),
+    (torch.tensor([2, 0, 2], dtype=torch.int32), "idx: a slot appears more than once"),
+    (torch.tensor([1, 0, 2, 0], dtype=torch.int32)[::2], "idx: expected a contiguous tensor"),
+    (torch.tensor([1, 2], dtype=torch.int32, device="meta"), "idx: expected device cpu"),
+    ([1, 2], "idx: expected a torch.Tensor"),
+])
+def test_bad_idx(pool, idx, match):
+    _expect_rejected(pool, idx, lq.default_q0(), match)
+
+
+@pytest.mark.parametrize("q0, match", [
+    (torch.randn(lq.V, lq.R, dtype=torch.float64), "q0: expected dtype torch.float32"),
+    (torch.randn(lq.V, lq.R + 1), r"q0: expected shape \(128, 4\)"),
+    (torch.randn(lq.R, lq.V).t(), "q0: expected a contiguous tensor"),
+])
+def test_bad_q0(pool, q0, match):
+    _expect_rejected(pool, IDX, q0, match)
+
+
+@pytest.mark.parametrize("field, bad, match", [
+    ("w", lambda t: t.double(), "pool.w: expected dtype torch.float32"),
+    ("kbuf", lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2), "pool.kbuf: expected a contiguous"),
+    ("ubuf", lambda t: t[:, :2], r"pool.ubuf: expected shape"),
+    ("hcnt", lambda t: t.long(), "pool.hcnt: expected dtype torch.int32"),
+])
+def test_swapped_pool_buffers(pool, field, bad, match):
+    setattr(pool, field, bad(getattr(pool, field)))
+    with pytest.raises(ValueError, match=match):
+        lq.flush_inplace(pool, IDX, lq.default_q0())
+
+
+def test_gate_specific_buffers(pool):
+    if pool.gate == "kda":
+        pool.gbuf = pool.gbuf.to(torch.bfloat16)
+        match = "pool.gbuf: expected dtype torch.float16"
+    else:
+        pool.p = pool.p[:, :1]
+        match = "pool.p: expected shape"
+    with pytest.raises(ValueError, match=match):
+        lq.flush_inplace(pool, IDX, lq.default_q0())
+
+
+def test_not_a_pool_and_mismatched_geometry(pool):
+    from leapquant.validate import check_pool
+    with pytest.raises(ValueError, match="pool: expected a leapquant.Pool"):
+        lq.flush_inplace(object(), IDX, lq.default_q0())
+    with pytest.raises(ValueError, match="pool: num_heads mismatch"):
+        check_pool(pool, num_heads=32)
+    with pytest.raises(ValueError, match="pool: gate mismatch"):
+        check_pool(pool, gate="gdn" if pool.gate == "kda" else "kda")
+
+
+def test_caller_owned_buffers_are_checked():
+    with pytest.raises(ValueError, match="raw: expected shape"):
+        lq.Pool(4, 2, raw=torch.zeros(10))
+    with pytest.raises(ValueError, match="unknown buffers for gate 'gdn'"):
+        lq.Pool(4, 2, gate="gdn", pcum=torch.zeros(4, 2, lq.K))
+    with pytest.raises(ValueError, match="gate: expected one of"):
+        lq.Pool(4, 2, gate="mamba")
+    with pytest.raises(ValueError, match="num_slots"):
+        lq.Pool(1, 2)
+    raw = torch.zeros(4 * 3 * lq.V * lq.K + lq.OFF)
+    p = lq.Pool(4, 2, raw=raw)
+    assert p.raw is raw and p.codes.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_functional_form_names_the_bad_argument(gate):
+    case = families.make_case(1, 2, gate, families=["random"])
+    args = list(case.args())
+    fn = lq.run if gate == "kda" else lq.run_gdn
+    bad = list(args)
+    bad[1] = args[1].double()
+    with pytest.raises(ValueError, match="s_k: expected dtype torch.float32"):
+        fn(*bad)
+    bad = list(args)
+    bad[5] = args[5][:, :, :8]
+    with pytest.raises(ValueError, match=r"kbuf: expected shape \(1, 2, 16, 128\)"):
+        fn(*bad)
+    bad = list(args)
+    bad[-1] = args[-1][:, :3]
+    with pytest.raises(ValueError, match="q0: expected shape"):
+        fn(*bad)
