@@ -1,0 +1,167 @@
+"""Writes definition.json and workloads.jsonl of the KDA and GDN flush ops (FlashInfer-Bench schema).
+
+    python -m leapquant.definitions.make      # regenerate; tests/test_definitions.py checks the files match
+
+Each definition embeds a self-contained plain-torch ``run`` (the fp32 reference, written out again without the
+package) that tests/test_definitions.py compares with leapquant.reference.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).parent
+BATCHES = (16, 32, 64, 128, 256, 512)
+
+_COMMON = '''import torch
+
+V, K, L, R, QMAX, EPS, FP16_MAX = 128, 128, 16, 4, 127, 1e-12, 65504.0
+
+
+def _orth(x):
+    # Gram-Schmidt, each projection applied twice; empty columns (norm <= 1e-30) become zero
+    cols = []
+    for j in range(x.shape[-1]):
+        c = x[..., j]
+        for _ in range(2):
+            for p in cols:
+                c = c - p * (p * c).sum(-1, keepdim=True)
+        n = c.norm(dim=-1, keepdim=True)
+        cols.append(torch.where(n > 1e-30, c / n.clamp_min(1e-30), torch.zeros_like(c)))
+    return torch.stack(cols, -1)
+
+
+def _compress(S, q0):
+    St = S.transpose(-1, -2)
+    Q = _orth(S @ _orth(St @ q0))
+    u = (St @ Q).transpose(-1, -2).clamp(-FP16_MAX, FP16_MAX).half()
+    q = Q.transpose(-1, -2).half()
+    E = S - q.float().transpose(-1, -2) @ u.float()
+    s_k = E.abs().mean(-2).sqrt().clamp_min(EPS)
+    x = E / s_k.unsqueeze(-2)
+    s_v = x.abs().amax(-1).clamp_min(EPS)
+    codes = torch.round(x * (QMAX / s_v).unsqueeze(-1)).clamp(-QMAX, QMAX).to(torch.int8)
+    return codes, s_k, s_v, u, q
+
+
+def _decode(codes, s_k, s_v, u, q):
+    return q.float().transpose(-1, -2) @ u.float() + codes.float() * (s_k / QMAX).unsqueeze(-2) * s_v.unsqueeze(-1)
+'''
+
+KDA_REF = _COMMON + '''
+
+@torch.no_grad()
+def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
+    g = gbuf.float()
+    after = torch.flip(torch.cumprod(torch.flip(g, [-2]), -2), [-2])          # prod_{i >= j}
+    D = torch.cat([after[..., 1:, :], torch.ones_like(g[..., :1, :])], -2)    # prod_{i > j}
+    keys = kbuf.float() * w.unsqueeze(-1) * D
+    S = _decode(codes, s_k, s_v, u, q) * torch.exp(pcum).unsqueeze(-2) + ubuf.float().transpose(-1, -2) @ keys
+    return _compress(S, q0)
+'''
+
+GDN_REF = _COMMON + '''
+
+@torch.no_grad()
+def run(codes, s_k, s_v, u, q, kbuf, ubuf, w, p, q0):
+    keys = kbuf.float() * w.unsqueeze(-1)
+    S = _decode(codes, s_k, s_v, u, q) * p[..., None, None] + ubuf.float().transpose(-1, -2) @ keys
+    return _compress(S, q0)
+'''
+
+_CKPT_IN = {
+    "codes": {"shape": ["batch_size", "num_heads", "V", "K"], "dtype": "int8",
+              "description": "old checkpoint: int8 codes of the residual"},
+    "s_k": {"shape": ["batch_size", "num_heads", "K"], "dtype": "float32", "description": "column scales (> 0)"},
+    "s_v": {"shape": ["batch_size", "num_heads", "V"], "dtype": "float32", "description": "row scales (> 0)"},
+    "u": {"shape": ["batch_size", "num_heads", "R", "K"], "dtype": "float16", "description": "key-side tokens"},
+    "q": {"shape": ["batch_size", "num_heads", "R", "V"], "dtype": "float16", "description": "value-side tokens"},
+    "kbuf": {"shape": ["batch_size", "num_heads", "L", "K"], "dtype": "bfloat16", "description": "buffered keys"},
+    "ubuf": {"shape": ["batch_size", "num_heads", "L", "V"], "dtype": "bfloat16",
+             "description": "buffered value corrections"},
+}
+_OUT = {
+    "codes": {"shape": ["batch_size", "num_heads", "V", "K"], "dtype": "int8"},
+    "s_k": {"shape": ["batch_size", "num_heads", "K"], "dtype": "float32"},
+    "s_v": {"shape": ["batch_size", "num_heads", "V"], "dtype": "float32"},
+    "u": {"shape": ["batch_size", "num_heads", "R", "K"], "dtype": "float16"},
+    "q": {"shape": ["batch_size", "num_heads", "R", "V"], "dtype": "float16"},
+}
+_AXES = {"batch_size": {"type": "var"}, "num_heads": {"type": "const", "value": 32},
+         "V": {"type": "const", "value": 128}, "K": {"type": "const", "value": 128},
+         "L": {"type": "const", "value": 16}, "R": {"type": "const", "value": 4}}
+_CRITERION = ("judged on the decoded state per head against the exact fp64 rebuild S: err = mean|decode - S| <= "
+              "1.01 x the fp32 reference's err where that is >= 1e-4 mean|S|, else <= 1e-3 mean|S|; outputs finite, "
+              "codes in [-127, 127]")
+
+
+def definitions() -> dict[str, dict]:
+    kda_in = dict(_CKPT_IN)
+    kda_in.update({
+        "gbuf": {"shape": ["batch_size", "num_heads", "L", "K"], "dtype": "float16",
+                 "description": "decay factor of the step that appended each entry, in (0, 1]"},
+        "w": {"shape": ["batch_size", "num_heads", "L"], "dtype": "float32", "description": "entry weights in [0, 1]"},
+        "pcum": {"shape": ["batch_size", "num_heads", "K"], "dtype": "float32",
+                 "description": "log-gate summed over the window (<= 0; below -1000 occurs)"},
+        "q0": {"shape": ["V", "R"], "dtype": "float32", "description": "start of the subspace iteration"},
+    })
+    gdn_in = dict(_CKPT_IN)
+    gdn_in.update({
+        "w": {"shape": ["batch_size", "num_heads", "L"], "dtype": "float32",
+              "description": "entry weights, each entry's later decay folded in"},
+        "p": {"shape": ["batch_size", "num_heads"], "dtype": "float32", "description": "gate product in (0, 1]"},
+        "q0": {"shape": ["V", "R"], "dtype": "float32", "description": "start of the subspace iteration"},
+    })
+    common_constraints = [
+        "s_k > 0 and s_v > 0", "|S| < 1e4 elementwise", "batch_size <= 512", _CRITERION,
+        "run returns the tuple (codes, s_k, s_v, u, q) in the order of outputs",
+    ]
+    return {
+        "leapquant_kda_flush_h32": {
+            "name": "leapquant_kda_flush_h32", "op_type": "leapquant_flush",
+            "description": ("LeapQuant flush, Kimi Delta Attention (per-key-channel gate): fold a window of L = 16 "
+                            "rank-1 updates into an int8 + rank-4 fp16 compressed 128 x 128 state and re-compress it "
+                            "(one round of subspace iteration from q0, fp16 tokens, two-sided smoothing scales, "
+                            "round-half-even int8 codes)."),
+            "tags": ["model:kimi-linear-48b", "layer:kda"],
+            "axes": _AXES, "inputs": kda_in, "outputs": _OUT,
+            "constraints": common_constraints + ["0 < gbuf <= 1", "0 <= w <= 1", "pcum <= 0"],
+            "reference": KDA_REF,
+        },
+        "leapquant_gdn_flush_h32": {
+            "name": "leapquant_gdn_flush_h32", "op_type": "leapquant_flush",
+            "description": ("LeapQuant flush, Gated DeltaNet (scalar gate): S = p S_old + sum_j w_j ubuf_j kbuf_j^T, "
+                            "re-compressed as in the KDA flush."),
+            "tags": ["model:qwen3-next", "layer:gated_deltanet"],
+            "axes": _AXES, "inputs": gdn_in, "outputs": _OUT,
+            "constraints": common_constraints + ["0 < p <= 1", "w >= 0"],
+            "reference": GDN_REF,
+        },
+    }
+
+
+def workloads(name: str, inputs: dict) -> list[dict]:
+    rows = []
+    for b in BATCHES:
+        wid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"leapquant/{name}/{b}"))
+        rows.append({"definition": name, "solution": "", "workload": {
+            "uuid": wid, "axes": {"batch_size": b}, "inputs": {k: {"type": "random"} for k in inputs}},
+            "evaluation": {}})
+    return rows
+
+
+def render() -> dict[Path, str]:
+    out = {}
+    for name, d in definitions().items():
+        folder = HERE / name
+        out[folder / "definition.json"] = json.dumps(d, indent=2) + "\n"
+        out[folder / "workloads.jsonl"] = "".join(json.dumps(r) + "\n" for r in workloads(name, d["inputs"]))
+    return out
+
+
+if __name__ == "__main__":
+    for path, text in render().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(path)
