@@ -1,0 +1,190 @@
+"""Development timing of the Triton flush on a GPU (L2-cold, CUDA graphs, CUDA events) with a correctness check by
+the SPEC criterion in the same run.
+
+    PYTHONPATH=. python bench/triton_dev.py [--batch 16 64 256 512] [--warps 8 16] [--gate kda] [--out DIR]
+
+Method (SPEC section 5): for each batch B a pool of 8 B + 1 slots holds eight disjoint slot sets; one CUDA graph per
+set holds one deployment call; the graphs are replayed in rotation, so no call finds its data in L2. Launches are
+queued behind a sleep kernel so the host never starves the GPU; CUDA events around each replay give the call's GPU
+time (both kernels and the gap between them). Due fractions: all (hcnt = L everywhere), sixteenth (B/16 whole rows
+due, as at steady state where all heads of a sequence fill together), none. The memory bound is due programs x
+layout.due_program_bytes() over the device-to-device copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import leapquant as lq
+from leapquant import criterion, families
+from leapquant.layout import L, Pool, due_program_bytes
+
+import leapquant.triton  # noqa: F401  (registers the backend)
+fm = sys.modules["leapquant.triton.flush"]
+
+SETS = 8                  #: disjoint slot sets flushed in rotation (L2-cold)
+SLEEP_CYCLES = 20_000_000  #: ~10 ms at 2 GHz: the queue fills behind it
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    del a, b
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def fill(pool: Pool, g: torch.Generator) -> None:
+    """Valid random checkpoints and windows (never zeros: they can hide unwritten outputs and run faster)."""
+    dev = pool.device
+    pool.codes.copy_(torch.randint(-127, 128, pool.codes.shape, dtype=torch.int8, device=dev))
+    pool.s_k.uniform_(1e-3, 1.0)
+    pool.s_v.uniform_(1e-3, 1.0)
+    pool.tokens.copy_(0.1 * torch.randn(pool.tokens.shape, device=dev))
+    pool.kbuf.copy_(torch.randn(pool.kbuf.shape, device=dev))
+    pool.ubuf.copy_(torch.randn(pool.ubuf.shape, device=dev))
+    pool.w.uniform_(0.0, 1.0)
+    if pool.gate == "kda":
+        pool.pcum.uniform_(-5.0, 0.0)
+        pool.gbuf.copy_(torch.rand(pool.gbuf.shape, device=dev).clamp_min(1e-3))
+    else:
+        pool.p.uniform_(0.1, 1.0)
+
+
+def set_due(pool: Pool, B: int, mode: str, g: torch.Generator) -> int:
+    """hcnt for every slot set; returns due programs per call."""
+    H = pool.num_heads
+    if mode == "all":
+        pool.hcnt.fill_(L)
+        return B * H
+    pool.hcnt.fill_(L - 1)
+    if mode == "none":
+        return 0
+    rows = max(1, B // 16)
+    for s in range(SETS):
+        pick = torch.randperm(B, generator=g)[:rows] + 1 + s * B
+        pool.hcnt[pick.to(pool.device)] = L
+    return rows * H
+
+
+def time_point(pool: Pool, B: int, q0: torch.Tensor, reps: int) -> list[float]:
+    """Median-able list of per-call GPU times (us) over `reps` rotations of the SETS graphs."""
+    stream = torch.cuda.Stream()
+    graphs = []
+    idxs = [torch.arange(1 + s * B, 1 + (s + 1) * B, dtype=torch.int32, device="cuda")[torch.randperm(B).cuda()]
+            for s in range(SETS)]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in range(SETS):
+            lq.flush_inplace(pool, idxs[s], q0, backend="triton")   # warm (compiled already by warmup)
+        torch.cuda.synchronize()
+        for s in range(SETS):
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr, stream=stream):
+                lq.flush_inplace(pool, idxs[s], q0, backend="triton")
+            graphs.append(gr)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    out = []
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(SETS)]
+    for _ in range(reps):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for s in range(SETS):
+            ev[s][0].record()
+            graphs[s].replay()
+            ev[s][1].record()
+        torch.cuda.synchronize()
+        out += [a.elapsed_time(b) * 1e3 for a, b in ev]
+    return out
+
+
+def check(batch: int, gate: str, seed: int) -> criterion.Verdict:
+    case = families.make_case(batch, 32, gate, seed=seed).to("cuda")
+    out = case.run(backend="triton")
+    S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"], case.tensors["w"],
+                              **case.gate_kwargs())
+    return criterion.judge(S, out, case.reference(), labels=case.labels, name=f"triton {gate} b{batch}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256, 512])
+    ap.add_argument("--warps", nargs="+", type=int, default=[fm.FLUSH_WARPS])
+    ap.add_argument("--gate", nargs="+", default=["kda"])
+    ap.add_argument("--due", nargs="+", default=["all", "sixteenth", "none"])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--check", nargs="*", type=int, default=[64, 256], help="batches judged by the criterion")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+               triton=__import__("triton").__version__, commit=commit or "unknown", copy_bw_tbs=bw / 1e12,
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(json.dumps(env), flush=True)
+    rows = []
+    for gate in a.gate:
+        for warps in a.warps:
+            fm.FLUSH_WARPS = warps
+            fm._WORKSPACES.clear()
+            for B in a.batch:
+                pool = Pool(SETS * B + 1, 32, device="cuda", gate=gate)
+                g = torch.Generator().manual_seed(B)
+                fill(pool, g)
+                q0 = lq.default_q0("cuda")
+                lq.warmup(pool, backend="triton")
+                ws = fm._WORKSPACES[pool]
+                kern = fm._flush_due.warmup(*fm._flush_args(pool, ws, q0), 1, grid=(1,), **fm._flush_meta(pool, ws))
+                info = dict(regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared, grid=ws.programs)
+                for mode in a.due:
+                    due = set_due(pool, B, mode, g)
+                    t = time_point(pool, B, q0, a.reps)
+                    med = statistics.median(t)
+                    q = statistics.quantiles(t, n=5)
+                    bound = due * due_program_bytes(gate) / bw * 1e6
+                    row = dict(gate=gate, warps=warps, batch=B, due=mode, due_programs=due, median_us=med,
+                               p20_us=q[0], p80_us=q[-1], bound_us=bound, ratio=med / bound if bound else None,
+                               **info)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del pool
+                fm._WORKSPACES.clear()
+                torch.cuda.empty_cache()
+    verdicts = []
+    for gate in a.gate:
+        for B in a.check:
+            v = check(B, gate, seed=B)
+            verdicts.append(dict(gate=gate, batch=B, passed=v.passed, worst_score=v.worst_score, message=v.message))
+            print(v.message, flush=True)
+    with open(os.path.join(a.out, "triton_dev.json"), "w") as f:
+        json.dump(dict(env=env, rows=rows, verdicts=verdicts), f, indent=1)
+    print(f"\n{env['gpu']}  copy {bw / 1e12:.2f} TB/s  torch {env['torch']}  triton {env['triton']}  {commit}")
+    print("| gate | warps | batch | due | programs | median us | p20 | p80 | bound us | ratio | regs | spills | grid |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+        print(f"| {r['gate']} | {r['warps']} | {r['batch']} | {r['due']} | {r['due_programs']} | {r['median_us']:.1f} "
+              f"| {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['bound_us']:.1f} | {ratio} | {r['regs']} | {r['spills']} "
+              f"| {r['grid']} |")
+    for v in verdicts:
+        print(f"criterion {v['gate']} b{v['batch']}: {'PASS' if v['passed'] else 'FAIL'} worst {v['worst_score']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

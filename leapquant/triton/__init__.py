@@ -1,0 +1,43 @@
+"""The Triton backend: a portable flush kernel for any CUDA GPU Triton supports, and the CPU through
+``TRITON_INTERPRET=1`` (tests). Importing this module registers it with :mod:`leapquant.dispatch`."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import dispatch
+from ..layout import Pool
+from .flush import INTERPRETED, flush, warmup
+
+#: Triton's bf16 loads need sm_80 (Ampere) or newer
+MIN_CAPABILITY = (8, 0)
+#: item codes slot * H + head are int32
+MAX_CODES = 2 ** 31
+
+
+def reasons(pool: Pool) -> list[str]:
+    """Why this backend cannot serve ``pool`` (empty: it can)."""
+    why = []
+    if pool.device.type == "cuda":
+        if INTERPRETED:
+            why.append("TRITON_INTERPRET=1 is set: the Triton interpreter runs on the CPU only")
+        elif torch.cuda.get_device_capability(pool.device) < MIN_CAPABILITY:
+            cap = torch.cuda.get_device_capability(pool.device)
+            why.append(f"compute capability {cap} < {MIN_CAPABILITY}")
+    elif not INTERPRETED:
+        why.append(f"device {pool.device}: the Triton kernel needs a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
+    if pool.num_slots * pool.num_heads >= MAX_CODES:
+        why.append(f"num_slots * num_heads = {pool.num_slots * pool.num_heads} does not fit the int32 due list")
+    return why
+
+
+dispatch.register(dispatch.Backend(
+    name="triton",
+    flush=flush,
+    reasons=reasons,
+    description="Triton: due programs found on the GPU, persistent fp32 flush programs (CPU via TRITON_INTERPRET=1)",
+    warmup=warmup,
+    versions=lambda: {"triton": triton.__version__, "torch": torch.__version__},
+))
+
+__all__ = ["flush", "warmup", "reasons"]

@@ -1,0 +1,340 @@
+"""Triton flush: two launches, both CUDA-graph safe (no host sync, no allocation, fixed grids).
+
+1. :func:`_mark_due` scans the rows of ``idx`` in chunks of ``CHUNK`` (row, head) flags, one program per chunk, and
+   writes each chunk's due programs, encoded ``slot * H + head``, into its own segment of a workspace list, with the
+   chunk's count. Programs are found on the GPU; a call with nothing due writes only counts.
+2. :func:`_flush_due` runs a fixed grid of ``G`` persistent programs (about as many as fit on the GPU at once). Each
+   reads the chunk counts, forms their prefix sums, and flushes the due items ``pid, pid + G, ...`` of the
+   concatenated list: a balanced split (+-1 item) however unevenly the due programs are spread over the rows.
+
+One due item = one (slot, head) program, processed top-down as the algorithm (SPEC section 2), all in fp32 registers:
+rebuild the state S [V, K], one subspace iteration from q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q), fp16 tokens,
+residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window reset.
+
+Both kernels run unchanged under ``TRITON_INTERPRET=1`` (the CPU test tier): bf16/fp16 values are converted to fp32
+right after each load, and rounding to nearest even uses fp32 arithmetic instead of libdevice (which the interpreter
+lacks).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V)
+from ..reference import ORTH_ABS_FLOOR
+
+assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
+
+# ---- compile-time constants (named once; the kernels read these globals) -----------------------------------------
+_V: tl.constexpr = V
+_K: tl.constexpr = K
+_L: tl.constexpr = L
+_R: tl.constexpr = R
+_TOK_ROW: tl.constexpr = K + V                        # fp16 words per token row (u[r, :K] | q[r, :V])
+_QMAX: tl.constexpr = float(QMAX)
+_EPS: tl.constexpr = EPS
+_FP16_MAX: tl.constexpr = FP16_MAX
+_ORTH_FLOOR: tl.constexpr = ORTH_ABS_FLOOR
+_OFF: tl.constexpr = OFF
+_REGION_WORDS: tl.constexpr = REGION_WORDS
+_CODES_BYTE: tl.constexpr = CODES_BYTE
+_SK_WORD: tl.constexpr = SK_BYTE // 4
+_SV_WORD: tl.constexpr = SV_BYTE // 4
+_TOK_HALF: tl.constexpr = TOK_BYTE // 2
+#: 1.5 * 2^23: adding and subtracting it rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (the fp32
+#: adder's own rounding); |codes| <= 127 is far inside that range
+_RINT_MAGIC: tl.constexpr = 12582912.0
+
+#: (row, head) flags scanned by one program of _mark_due, and so the length of one segment of the due list
+CHUNK = 1024
+
+
+# ---- launch 1: find the due programs ------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["N", "num_slots"], do_not_specialize_on_alignment=["idx_ptr"])
+def _mark_due(idx_ptr, hcnt_ptr, due_ptr, count_ptr, N, num_slots, H: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk ``c`` = program id covers flags f = c * CHUNK + [0, CHUNK) with row f // H and head f % H.
+
+    idx int32 [N] (slot per row; 0, negative or >= num_slots: skip), hcnt int32 [NS, H]. Writes the due programs'
+    codes ``slot * H + head`` (int32) to due[c * CHUNK + 0 .. n_c) in flag order, and n_c to count[c]."""
+    c = tl.program_id(0)
+    f = c * CHUNK + tl.arange(0, CHUNK)
+    live = f < N * H
+    slot = tl.load(idx_ptr + f // H, mask=live, other=0)
+    live = live & (slot > 0) & (slot < num_slots)           # out-of-range slots are skipped: graph capture cannot check
+    head = f % H
+    fill = tl.load(hcnt_ptr + slot.to(tl.int64) * H + head, mask=live, other=0)
+    due = live & (fill == _L)
+    pos = tl.cumsum(due.to(tl.int32), 0) - 1
+    tl.store(due_ptr + c * CHUNK + pos, slot * H + head, mask=due)
+    tl.store(count_ptr + c, tl.sum(due.to(tl.int32), 0))
+
+
+# ---- helpers of launch 2 --------------------------------------------------------------------------------------------
+@triton.jit
+def _minus_proj(c, b):
+    """c - b (b . c): removes from column c its component along the unit (or zero) column b."""
+    return c - b * tl.sum(b * c, 0)
+
+
+@triton.jit
+def _unit(c):
+    """c / |c|, or zero when |c| <= ORTH_ABS_FLOOR (nothing left after projection: a rank-deficient head)."""
+    n = tl.sqrt_rn(tl.sum(c * c, 0))
+    return tl.where(n > _ORTH_FLOOR, c / tl.maximum(n, _ORTH_FLOOR), 0.0)
+
+
+@triton.jit
+def _orthonormalize(c0, c1, c2, c3):
+    """Gram-Schmidt of four columns with every projection applied twice (as the reference): orthonormal to working
+    precision even for nearly rank-deficient inputs."""
+    c0 = _unit(c0)
+    for _ in tl.static_range(2):
+        c1 = _minus_proj(c1, c0)
+    c1 = _unit(c1)
+    for _ in tl.static_range(2):
+        c2 = _minus_proj(c2, c0)
+        c2 = _minus_proj(c2, c1)
+    c2 = _unit(c2)
+    for _ in tl.static_range(2):
+        c3 = _minus_proj(c3, c0)
+        c3 = _minus_proj(c3, c1)
+        c3 = _minus_proj(c3, c2)
+    c3 = _unit(c3)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _store_token(tok, r, U_r, Q_r, rk, rv):
+    """Round column r of U (clamped to fp16's range) and of Q to fp16, store them as token row r, and return the
+    rounded values in fp32 (the residual uses exactly what is stored)."""
+    u16 = tl.minimum(tl.maximum(U_r, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+    q16 = Q_r.to(tl.float16)
+    tl.store(tok + r * _TOK_ROW + rk, u16)
+    tl.store(tok + r * _TOK_ROW + _K + rv, q16)
+    return u16.to(tl.float32), q16.to(tl.float32)
+
+
+@triton.jit
+def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, slot, head,
+               H: tl.constexpr, SS: tl.constexpr, IS_KDA: tl.constexpr):
+    """Flush program (slot, head) in place: slot, head int64 scalars."""
+    rv = tl.arange(0, _V)
+    rk = tl.arange(0, _K)
+    region = _OFF + slot * SS + head * _REGION_WORDS          # first fp32 word of the (slot, head) region
+    codes_p = raw_i8 + region * 4 + _CODES_BYTE + rv[:, None] * _K + rk[None, :]
+    sk_p = raw_f32 + region + _SK_WORD + rk
+    sv_p = raw_f32 + region + _SV_WORD + rv
+    tok = raw_f16 + region * 2 + _TOK_HALF
+    prog = slot * H + head                                     # row of the dense window tensors
+    kb = kbuf_ptr + prog * (_L * _K)
+    ub = ubuf_ptr + prog * (_L * _V)
+    wp = w_ptr + prog * _L
+
+    # ---- (1) rebuild: S = (q^T u + codes * s_k / 127 * s_v) * gate + sum_j w_j ubuf_j (outer) (kbuf_j * D_j) ----
+    S = tl.zeros([_V, _K], tl.float32)
+    for r in tl.static_range(_R):
+        u_old = tl.load(tok + r * _TOK_ROW + rk).to(tl.float32)
+        q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32)
+        S += q_old[:, None] * u_old[None, :]
+    codes = tl.load(codes_p).to(tl.float32)
+    s_k = tl.load(sk_p)
+    s_v = tl.load(sv_p)
+    S += codes * (s_k / _QMAX)[None, :] * s_v[:, None]
+    if IS_KDA:
+        pcum = tl.load(gate_ptr + prog * _K + rk)
+        S = S * tl.exp(pcum)[None, :]
+        decay = tl.full([_K], 1.0, tl.float32)                 # D_j = prod_{i > j} gbuf[i], built from the last entry
+    else:
+        S = S * tl.load(gate_ptr + prog)
+    for i in tl.static_range(_L):
+        j = _L - 1 - i
+        keys = tl.load(kb + j * _K + rk).to(tl.float32) * tl.load(wp + j)
+        if IS_KDA:
+            keys = keys * decay
+            decay = decay * tl.load(gbuf_ptr + prog * (_L * _K) + j * _K + rk).to(tl.float32)
+        vals = tl.load(ub + j * _V + rv).to(tl.float32)
+        S += vals[:, None] * keys[None, :]
+
+    # ---- (2) one subspace iteration from q0: P = orth(S^T q0) [K, R], Q = orth(S P) [V, R], U = S^T Q [K, R] ----
+    p0 = tl.sum(S * tl.load(q0_ptr + rv * _R + 0)[:, None], 0)
+    p1 = tl.sum(S * tl.load(q0_ptr + rv * _R + 1)[:, None], 0)
+    p2 = tl.sum(S * tl.load(q0_ptr + rv * _R + 2)[:, None], 0)
+    p3 = tl.sum(S * tl.load(q0_ptr + rv * _R + 3)[:, None], 0)
+    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3)
+    c0 = tl.sum(S * p0[None, :], 1)
+    c1 = tl.sum(S * p1[None, :], 1)
+    c2 = tl.sum(S * p2[None, :], 1)
+    c3 = tl.sum(S * p3[None, :], 1)
+    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
+
+    # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
+    u16, q16 = _store_token(tok, 0, tl.sum(S * c0[:, None], 0), c0, rk, rv)
+    E = S - q16[:, None] * u16[None, :]
+    u16, q16 = _store_token(tok, 1, tl.sum(S * c1[:, None], 0), c1, rk, rv)
+    E = E - q16[:, None] * u16[None, :]
+    u16, q16 = _store_token(tok, 2, tl.sum(S * c2[:, None], 0), c2, rk, rv)
+    E = E - q16[:, None] * u16[None, :]
+    u16, q16 = _store_token(tok, 3, tl.sum(S * c3[:, None], 0), c3, rk, rv)
+    E = E - q16[:, None] * u16[None, :]
+
+    # ---- (5) smoothing: s_k = max(sqrt(mean_v |E|), eps); x = E / s_k; s_v = max(max_k |x|, eps) ----
+    s_k = tl.maximum(tl.sqrt_rn(tl.sum(tl.abs(E), 0) / _V), _EPS)
+    x = E * (1.0 / s_k)[None, :]
+    s_v = tl.maximum(tl.max(tl.abs(x), 1), _EPS)
+    tl.store(sk_p, s_k)
+    tl.store(sv_p, s_v)
+
+    # ---- (6) codes = round_half_even(127 x / s_v), clamped to [-127, 127] ----
+    y = x * (_QMAX / s_v)[:, None]
+    y = (y + _RINT_MAGIC) - _RINT_MAGIC
+    tl.store(codes_p, tl.minimum(tl.maximum(y, -_QMAX), _QMAX).to(tl.int8))
+
+    # ---- (7) window reset (hcnt stays L: "flushed, empty") ----
+    tl.store(wp + tl.arange(0, _L), tl.zeros([_L], tl.float32))
+    if IS_KDA:
+        tl.store(gate_ptr + prog * _K + rk, tl.zeros([_K], tl.float32))
+        rl = tl.arange(0, _L)
+        tl.store(gbuf_ptr + prog * (_L * _K) + rl[:, None] * _K + rk[None, :], tl.full([_L, _K], 1.0, tl.float16))
+    else:
+        tl.store(gate_ptr + prog, 1.0)
+
+
+# ---- launch 2: flush the due programs --------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_chunks"])
+def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, due_ptr, count_ptr,
+               num_chunks, H: tl.constexpr, SS: tl.constexpr, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
+               MAX_CHUNKS: tl.constexpr):
+    """Persistent program ``pid`` of ``G``: flushes due items pid, pid + G, ... of the list written by _mark_due.
+
+    raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
+    for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], the due list int32
+    [MAX_CHUNKS * CHUNK] and its counts int32 [MAX_CHUNKS] (the first num_chunks are this call's)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    ch = tl.arange(0, MAX_CHUNKS)
+    n_c = tl.load(count_ptr + ch, mask=ch < num_chunks, other=0)
+    ends = tl.cumsum(n_c, 0)                       # items in chunks 0..c
+    starts = ends - n_c
+    total = tl.sum(n_c, 0)
+    t = pid
+    while t < total:                               # (a while loop: the interpreter cannot range over tensors)
+        c = tl.sum((ends <= t).to(tl.int32), 0)    # the chunk holding item t
+        k = t - tl.sum(tl.where(ch == c, starts, 0), 0)
+        code = tl.load(due_ptr + c * CHUNK + k).to(tl.int64)
+        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
+                   code // H, code % H, H, SS, IS_KDA)
+        t += G
+
+
+# ---- launcher ---------------------------------------------------------------------------------------------------------
+import math  # noqa: E402  (launcher-only imports kept next to the launcher)
+import os  # noqa: E402
+import weakref  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import torch  # noqa: E402
+
+from ..layout import Pool, slot_stride  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"   #: triton.jit read the same variable at decoration
+
+#: rows a call may carry before the workspace must grow (growing allocates: done outside graph capture only)
+MIN_ROW_CAPACITY = 1024
+FLUSH_WARPS = 8          #: 8 warps: the 128 x 128 fp32 state is 64 registers per thread
+MARK_WARPS = 4
+#: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
+INTERPRETER_PROGRAMS = 4
+
+
+@dataclass
+class _Workspace:
+    """Per-pool scratch, allocated once outside the call: the due list and its chunk counts, typed views of raw,
+    and the persistent grid size."""
+    rows: int                      # largest len(idx) served without growing
+    max_chunks: int
+    due: torch.Tensor              # int32 [max_chunks * CHUNK]
+    count: torch.Tensor            # int32 [max_chunks]
+    raw_i8: torch.Tensor
+    raw_f16: torch.Tensor
+    programs: int = 0              # persistent programs resident at once (0: not measured yet)
+
+
+_WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
+
+
+def _capturing(pool: Pool) -> bool:
+    return pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _workspace(pool: Pool, rows: int) -> _Workspace:
+    ws = _WORKSPACES.get(pool)
+    if ws is not None and ws.rows >= rows and ws.raw_i8.data_ptr() == pool.raw.data_ptr():
+        return ws
+    if _capturing(pool):
+        raise RuntimeError(f"leapquant triton flush: call leapquant.warmup(pool) (or flush once) with at least {rows} "
+                           f"rows outside CUDA graph capture first: the workspace and kernels are made there")
+    cap = max(rows, MIN_ROW_CAPACITY, ws.rows if ws is not None else 0)
+    max_chunks = triton.next_power_of_2(math.ceil(cap * pool.num_heads / CHUNK))
+    ws = _Workspace(rows=cap, max_chunks=max_chunks,
+                    due=torch.zeros(max_chunks * CHUNK, dtype=torch.int32, device=pool.device),
+                    count=torch.zeros(max_chunks, dtype=torch.int32, device=pool.device),
+                    raw_i8=pool.raw.view(torch.int8), raw_f16=pool.raw.view(torch.float16))
+    _WORKSPACES[pool] = ws
+    return ws
+
+
+def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> tuple:
+    kda = pool.gate == "kda"
+    gate = pool.pcum if kda else pool.p
+    gbuf = pool.gbuf if kda else pool.p          # GDN: a placeholder the kernel never reads
+    return (pool.raw, ws.raw_i8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, ws.due, ws.count)
+
+
+def _flush_meta(pool: Pool, ws: _Workspace) -> dict:
+    return dict(H=pool.num_heads, SS=slot_stride(pool.num_heads), IS_KDA=pool.gate == "kda", CHUNK=CHUNK,
+                MAX_CHUNKS=ws.max_chunks, num_warps=FLUSH_WARPS, num_stages=1)
+
+
+def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> int:
+    """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads)."""
+    if INTERPRETED or pool.device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    kern = _flush_due.warmup(*_flush_args(pool, ws, q0), 0, grid=(1,), **_flush_meta(pool, ws))
+    kern._init_handles()
+    props = torch.cuda.get_device_properties(pool.device)
+    threads = 32 * FLUSH_WARPS
+    regs = max(kern.n_regs, 1)
+    by_regs = props.regs_per_multiprocessor // (regs * threads)
+    smem = kern.metadata.shared
+    by_smem = props.shared_memory_per_multiprocessor // smem if smem else by_regs
+    by_threads = props.max_threads_per_multi_processor // threads
+    per_sm = max(1, min(by_regs, by_smem, by_threads))
+    return per_sm * props.multi_processor_count
+
+
+def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
+    """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
+
+    pool: :class:`~leapquant.layout.Pool`; idx int32 [N] slot per row (0 or out of range: skip); q0 fp32 [V, R].
+    Two launches of fixed grids; no host synchronisation, no allocation once the pool's workspace exists."""
+    N, H = idx.numel(), pool.num_heads
+    if N == 0:
+        return
+    ws = _workspace(pool, N)
+    if ws.programs == 0:
+        if _capturing(pool):
+            raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
+        ws.programs = _resident_programs(pool, ws, q0)
+    chunks = math.ceil(N * H / CHUNK)
+    _mark_due[(chunks,)](idx, pool.hcnt, ws.due, ws.count, N, pool.num_slots, H=H, CHUNK=CHUNK,
+                         num_warps=MARK_WARPS)
+    grid = (min(ws.programs, N * H),)
+    _flush_due[grid](*_flush_args(pool, ws, q0), chunks, **_flush_meta(pool, ws))
+
+
+def warmup(pool: Pool) -> None:
+    """Make the workspace and compile / load both kernels for ``pool`` (outside any graph capture) by flushing an
+    all-skip row: nothing in the pool changes."""
+    from ..reference import default_q0
+    idx = torch.zeros(1, dtype=torch.int32, device=pool.device)
+    flush(pool, idx, default_q0(pool.device))

@@ -1,0 +1,245 @@
+"""The Triton backend against the fp32 reference by the SPEC criterion, and its deployment contract.
+
+Without a GPU the kernels run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): small
+shapes, every input family, both gates. With a GPU the ``gpu`` tests also judge the deployment sizes (batch 16 to 512
+x 32 heads) and replay the call from a CUDA graph with different due sets.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import leapquant as lq
+from leapquant import criterion, families, reference
+from leapquant.layout import CHECKPOINT_BYTES, L, OFF, REGION_WORDS, Pool
+from helpers import POISON_CODE, assert_flush_footprint, fill_noise, snapshot
+
+pytest.importorskip("triton")
+from leapquant import triton as lq_triton  # noqa: E402  (registers the backend)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+pytestmark = [] if HAS_CUDA else [pytest.mark.interpreter]
+
+gates = st.sampled_from(["kda", "gdn"])
+
+
+def _judge(case: families.Case, out) -> criterion.Verdict:
+    """The criterion on ``case``'s device (the fp64 rebuild on a GPU is cheap; on the CPU it is the case's own)."""
+    if case.device.type == "cpu":
+        return case.judge(out, "triton")
+    S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"], case.tensors["w"],
+                              **case.gate_kwargs())
+    return criterion.judge(S, out, case.reference(), labels=case.labels, name="triton")
+
+
+# ---- the functional form: every family, both gates ---------------------------------------------------------------
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_every_family(gate):
+    """One head of every family (edge cases, second window, random, kda_sim) in one call."""
+    case = families.make_case(1, len(families.FAMILIES), gate, seed=3).to(DEVICE)
+    out = case.run(backend="triton")
+    v = _judge(case, out)
+    assert v.passed, v.message
+    assert [o.dtype for o in out] == [torch.int8, torch.float32, torch.float32, torch.float16, torch.float16]
+
+
+@given(gate=gates, seed=st.integers(0, 2**16), batch=st.integers(1, 2), heads=st.integers(2, 12))
+def test_random_shapes_against_reference(gate, seed, batch, heads):
+    case = families.make_case(batch, heads, gate, seed=seed).to(DEVICE)
+    v = _judge(case, case.run(backend="triton"))
+    assert v.passed, v.message
+
+
+@pytest.mark.parametrize("family", ["tiny", "pcum_below_1000", "zero", "huge"])
+def test_hard_families(family):
+    """Tiny heads (~1e-4: fp16 intermediates fail there), pcum < -1000, all-zero and huge heads, KDA, 3 heads."""
+    case = families.make_case(1, 3, "kda", seed=11, families=[family]).to(DEVICE)
+    out = case.run(backend="triton")
+    v = _judge(case, out)
+    assert v.passed, v.message
+    if family == "zero":
+        assert float(reference.decode_checkpoint(*out).abs().max()) == 0.0, "an all-zero head must decode to 0"
+
+
+# ---- the deployment form: footprint, poison, skipped rows ------------------------------------------------------------
+def _due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    idx_l = idx.long().cpu()
+    ok = (idx_l > 0) & (idx_l < pool.num_slots)
+    slots = idx_l[ok]
+    due = pool.hcnt.cpu()[slots] == L
+    rows, heads = due.nonzero(as_tuple=True)
+    return slots[rows], heads
+
+
+def _inputs_of(pool: Pool, slots: torch.Tensor, heads: torch.Tensor):
+    """Copies of the checkpoint and window of programs (slots[i], heads[i]) with a leading [1, n] dim."""
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    tok = pool.tokens[s, h]
+    ck = (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K], tok[..., lq.K:])
+    win = (pool.kbuf[s, h], pool.ubuf[s, h], pool.w[s, h])
+    gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])
+    add = lambda t: t.clone().unsqueeze(0)  # noqa: E731
+    return tuple(map(add, ck)), tuple(map(add, win)), {k: add(v) for k, v in gate.items()}
+
+
+def _judge_programs(pool: Pool, slots, heads, inputs, q0) -> criterion.Verdict:
+    """Judge the checkpoints now in the pool at (slots, heads) against the inputs they were flushed from."""
+    ck, win, gate = inputs
+    S = criterion.exact_state(*ck, *win, **gate)
+    ref = reference.compress(reference.rebuild(*ck, *win, **gate), q0)
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    tok = pool.tokens[s, h]
+    out = tuple(t.unsqueeze(0) for t in (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K],
+                                         tok[..., lq.K:]))
+    return criterion.judge(S, out, ref, name="triton")
+
+
+def _make_pool(gate: str, heads: int, seed: int, num_slots: int = 7) -> tuple[Pool, torch.Tensor]:
+    """A noise-filled pool (every byte random, so stray writes show) with family data in slots 2, 3, 5 and a mix of
+    due and not-due programs; idx has skipped rows (0) and one row whose programs are due but not in idx (slot 4)."""
+    pool = Pool(num_slots, heads, device=DEVICE, gate=gate)
+    fill_noise(pool, seed=seed)
+    case = families.make_case(3, heads, gate, seed=seed).to(DEVICE)
+    case.load_into(pool, [2, 3, 5])
+    g = torch.Generator().manual_seed(seed)
+    pool.hcnt[2] = torch.where(torch.rand(heads, generator=g) < 0.5, L, L - 1).to(DEVICE, torch.int32)
+    pool.hcnt[4] = L                                          # due, but its row is not in idx
+    pool.hcnt[0] = L                                          # slot 0 is never flushed
+    idx = torch.tensor([3, 0, 2, 5, 0], dtype=torch.int32, device=DEVICE)
+    return pool, idx
+
+
+@given(gate=gates, heads=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_footprint_and_criterion(gate, heads, seed):
+    """Due programs rewritten (and pass the criterion), windows reset, every other byte untouched: non-due
+    programs, slot 0, rows not in idx, the spare head region, the bytes past each checkpoint, hcnt."""
+    pool, idx = _make_pool(gate, heads, seed)
+    slots, hs = _due_programs(pool, idx)
+    inputs = _inputs_of(pool, slots, hs)
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
+    assert_flush_footprint(pool, before, slots, hs)
+    v = _judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE))
+    assert v.passed, v.message
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_poisoned_checkpoints_are_all_written(gate):
+    """Due checkpoints start as 0x7f codes with scales and tokens that decode to zero (finite: they are also the
+    input); after the flush no due program keeps the poison, its scales are >= eps, its tokens finite."""
+    heads = 3
+    pool, idx = _make_pool(gate, heads, seed=5)
+    slots, hs = _due_programs(pool, idx)
+    s, h = slots.to(DEVICE), hs.to(DEVICE)
+    pool.codes[s, h] = POISON_CODE
+    pool.s_k[s, h] = 0.0
+    pool.s_v[s, h] = 0.0
+    pool.tokens[s, h] = 0.0
+    # programs that are not flushed get NaN scales: they must neither change nor leak into the due ones
+    pool.s_k[4, 0] = float("nan")                             # due, but its row is not in idx
+    pool.s_v[0, 0] = float("nan")                             # slot 0
+    inputs = _inputs_of(pool, slots, hs)
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
+    assert_flush_footprint(pool, before, slots, hs)
+    assert bool((pool.s_k[s, h] >= lq.EPS).all()) and bool((pool.s_v[s, h] >= lq.EPS).all())
+    assert not bool((pool.codes[s, h] == POISON_CODE).all(dim=-1).all(dim=-1).any())
+    v = _judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE))
+    assert v.passed, v.message
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_skipped_rows_change_nothing(gate):
+    """idx of only 0 rows, and (calling the backend directly, as under graph capture where the API cannot check
+    values) out-of-range slots: nothing moves."""
+    pool, _ = _make_pool(gate, 2, seed=9)
+    pool.hcnt.fill_(L)
+    before = snapshot(pool)
+    q0 = lq.default_q0(DEVICE)
+    lq.flush_inplace(pool, torch.zeros(5, dtype=torch.int32, device=DEVICE), q0, backend="triton")
+    bad = torch.tensor([0, -1, pool.num_slots, pool.num_slots + 100, -(2**31)], dtype=torch.int32, device=DEVICE)
+    lq_triton.flush(pool, bad, q0)
+    assert_flush_footprint(pool, before, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+def test_second_call_keeps_state():
+    """hcnt stays L after a flush, so a second call flushes the same programs with empty windows: the decoded state
+    barely moves (one more re-compression)."""
+    pool, idx = _make_pool("kda", 2, seed=4)
+    slots, hs = _due_programs(pool, idx)
+    q0 = lq.default_q0(DEVICE)
+    lq.flush_inplace(pool, idx, q0, backend="triton")
+    s, h = slots.to(DEVICE), hs.to(DEVICE)
+    dec1 = reference.decode_checkpoint(pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], pool.u[s, h], pool.q[s, h])
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, q0, backend="triton")
+    assert_flush_footprint(pool, before, slots, hs)
+    dec2 = reference.decode_checkpoint(pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], pool.u[s, h], pool.q[s, h])
+    assert float((dec2 - dec1).abs().mean()) <= 0.01 * float(dec1.abs().mean())
+
+
+def test_layout_constants_match_the_kernel():
+    """The kernel's offsets are the layout's (a changed layout must fail here before it corrupts a pool)."""
+    fm = sys.modules["leapquant.triton.flush"]               # (the package's ``flush`` attribute is the function)
+    val = lambda c: getattr(c, "value", c)  # noqa: E731
+    assert val(fm._CODES_BYTE) == 0
+    assert val(fm._SK_WORD) * 4 == lq.layout.SK_BYTE and val(fm._SV_WORD) * 4 == lq.layout.SV_BYTE
+    assert val(fm._TOK_HALF) * 2 + 2 * lq.R * (lq.K + lq.V) == CHECKPOINT_BYTES
+    assert val(fm._OFF) == OFF and val(fm._REGION_WORDS) == REGION_WORDS
+
+
+# ---- GPU only: the deployment sizes and CUDA graphs ------------------------------------------------------------------
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [16, 64, 256, 512])
+def test_gpu_deployment_sizes(batch):
+    """All families at batch x 32 heads (KDA; GDN at batch 64) through the deployment call, judged on the GPU."""
+    for gate in (("kda", "gdn") if batch == 64 else ("kda",)):
+        case = families.make_case(batch, 32, gate, seed=batch).to(DEVICE)
+        v = _judge(case, case.run(backend="triton"))
+        assert v.passed, f"batch {batch} {gate}: {v.message}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_gpu_graph_replay(gate):
+    """The call captured once in a CUDA graph, replayed with different hcnt: each replay flushes exactly the
+    programs due at that time, and a replay with nothing due changes nothing."""
+    heads = 32
+    pool = Pool(12, heads, device=DEVICE, gate=gate)
+    fill_noise(pool, seed=1)
+    idx = torch.tensor([3, 0, 7, 1, 11, 5], dtype=torch.int32, device=DEVICE)
+    q0 = lq.default_q0(DEVICE)
+    lq.warmup(pool, backend="triton")
+    pool.hcnt.zero_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            lq.flush_inplace(pool, idx, q0, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert_flush_footprint(pool, snapshot(pool), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    g = torch.Generator().manual_seed(2)
+    for rep, frac in enumerate((0.0, 1.0 / 16, 0.5, 1.0)):
+        case = families.make_case(4, heads, gate, seed=rep).to(DEVICE)
+        case.load_into(pool, [3, 7, 11, 9])                   # slot 9 is not in idx: must stay untouched
+        due = torch.rand(pool.num_slots, heads, generator=g) < frac
+        pool.hcnt.copy_(torch.where(due, L, L - 1 - rep).to(DEVICE, torch.int32))
+        slots, hs = _due_programs(pool, idx)
+        inputs = _inputs_of(pool, slots, hs)
+        before = snapshot(pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_flush_footprint(pool, before, slots, hs)
+        if len(slots):
+            v = _judge_programs(pool, slots, hs, inputs, q0)
+            assert v.passed, f"replay {rep}: {v.message}"
