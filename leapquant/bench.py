@@ -1,0 +1,943 @@
+"""``leapquant bench``: time the deployment form of the flush against its memory bound, and judge its output.
+
+For every chosen backend (and every ``--impl`` module), gate, batch and due fraction this runs
+``leapquant.flush_inplace(pool, idx, q0, backend=name)`` on a pool whose rows are rotated over ``--rotate`` (>= 8)
+disjoint slot sets, so that no call finds its data in L2 (SPEC section 5), and reports:
+
+* the call's time: median, p20, p80 over ``--repeats`` calls. On a GPU, CUDA events around the replay of a CUDA graph
+  that holds one call (the deployment form; launches queued behind a sleep kernel, so the host never starves the GPU);
+  a backend that cannot be captured (the reference synchronises with the host) is timed with events around the eager
+  call and labelled so. On a CPU, wall-clock time, labelled so;
+* the memory bound: due programs x ``due_program_bytes(gate)`` over the device-to-device copy bandwidth measured in the
+  same run (bytes read + written), and the ratio of the median to it;
+* the verdict of the SPEC section 3 criterion (``leapquant.criterion``) on every input family of
+  ``leapquant.families``, for the same backend and batch, run through the same pool and the same deployment call.
+
+Output: a markdown table on stdout (``--md`` also writes it with its header to a file), a long-format CSV (``--csv``)
+and a PNG plot of time against batch (``--plot``; needs matplotlib). ``--impl PATH.py`` loads an external
+implementation with the seed's interface (``Pool(num_slots, device)``, ``flush_inplace(pool, idx, q0)``) and checks and
+times it beside the project's backends. See bench/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import importlib.util
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+DUE_FRACTIONS = {"all": 1.0, "sixteenth": 1.0 / 16.0, "none": 0.0}
+DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
+DEFAULT_CPU_BATCHES = (1, 2)
+
+CSV_COLUMNS = (
+    "backend", "gate", "batch", "heads", "due", "due_fraction", "due_programs",
+    "median_us", "p20_us", "p80_us", "samples", "timing",
+    "bound_us", "ratio", "verdict", "worst_ratio", "message",
+    "device", "sm_count", "bandwidth_gbs", "torch", "triton", "tilelang", "python", "commit", "date",
+)
+
+#: exit codes
+EXIT_OK, EXIT_NOTHING, EXIT_USAGE, EXIT_BUSY = 0, 2, 2, 3
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the bench options to ``parser`` (the lead's CLI mounts them as the ``bench`` subcommand)."""
+    parser.add_argument("--backends", nargs="+", default=None, metavar="NAME",
+                        help="project backends to run (reference, triton, tilelang, or 'auto'); default: every "
+                             "backend that can serve on this device ('none' for --impl modules only)")
+    parser.add_argument("--impl", action="append", default=[], metavar="PATH.py",
+                        help="an external implementation with the seed's interface, checked and timed beside the "
+                             "backends (repeatable)")
+    parser.add_argument("--batch", nargs="+", type=int, default=None, metavar="N",
+                        help=f"sequences per call (x heads programs); default {' '.join(map(str, DEFAULT_GPU_BATCHES))}"
+                             f" on a GPU, {' '.join(map(str, DEFAULT_CPU_BATCHES))} on a CPU")
+    parser.add_argument("--heads", type=int, default=32, help="heads per sequence (default 32)")
+    parser.add_argument("--gate", nargs="+", default=["kda"], choices=("kda", "gdn"),
+                        help="gate variant(s) (default kda)")
+    parser.add_argument("--due", nargs="+", default=list(DUE_FRACTIONS), choices=tuple(DUE_FRACTIONS),
+                        help="fraction of programs due: all, sixteenth (1/16, spread unevenly as at steady state), "
+                             "none (default: all three)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per point, rotating over the slot sets (default 100 on a GPU, 3 on a CPU)")
+    parser.add_argument("--max-seconds", type=float, default=10.0,
+                        help="stop timing one point after this many seconds (at least 3 calls; default 10)")
+    parser.add_argument("--rotate", type=int, default=8,
+                        help="disjoint slot sets flushed in rotation, so no call finds its data in L2 (default 8, "
+                             "the least allowed)")
+    parser.add_argument("--timer", choices=("graph", "eager"), default="graph",
+                        help="GPU: time the replay of a CUDA graph holding the call (the deployment form), or the "
+                             "eager call (both with CUDA events, launches queued ahead)")
+    parser.add_argument("--ref-max-batch", type=int, default=None, metavar="N",
+                        help="run the reference backend only at batches <= N (it is slow)")
+    parser.add_argument("--refcheck", action=argparse.BooleanOptionalAction, default=True,
+                        help="judge every backend with the SPEC criterion at every batch (default on)")
+    parser.add_argument("--check-rows", type=int, default=16, metavar="N",
+                        help="distinct rows of input families generated per gate; a batch of B rows tiles them "
+                             "(default 16: 512 heads at 32 heads, every family many times)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the input families and the due pattern")
+    parser.add_argument("--impl-pool", choices=("shared", "per-batch"), default="shared",
+                        help="--impl modules: one pool sized for the largest batch (one kernel build), or one pool "
+                             "of rotate x batch + 9 slots per batch (a build per batch for the seed)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--interpret", action="store_true",
+                        help="on a CPU, run Triton kernels through TRITON_INTERPRET=1 (tiny sizes only)")
+    parser.add_argument("--allow-busy", action="store_true",
+                        help="time even when another process is seen loading the GPU (the header says so)")
+    parser.add_argument("--commit", default=None,
+                        help="commit recorded in the results (default: git rev-parse of the checkout, or 'unknown')")
+    parser.add_argument("--csv", metavar="PATH", help="write the long-format CSV here")
+    parser.add_argument("--md", metavar="PATH", help="write the header and the markdown table here")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot of time against batch here (matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leapquant bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return add_arguments(p)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``leapquant bench`` / ``python -m leapquant.bench``; returns the exit status."""
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    return run_args(args, argv=argv)
+
+
+# ---- small helpers ---------------------------------------------------------------------------------------------
+class Progress:
+    """A progress bar on stderr: tqdm when it is installed and stderr is a terminal, else one line per step."""
+
+    def __init__(self, total: int, quiet: bool = False) -> None:
+        self.total, self.done, self.quiet, self.bar = total, 0, quiet, None
+        self.t0 = time.perf_counter()
+        if not quiet and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
+            except Exception:
+                self.bar = None
+
+    def step(self, what: str, n: int = 1) -> None:
+        self.done += n
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.set_description(what[:60])
+            self.bar.update(n)
+        else:
+            print(f"[bench {self.done}/{self.total} {time.perf_counter() - self.t0:6.1f}s] {what}", file=sys.stderr,
+                  flush=True)
+
+    def log(self, msg: str) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    s = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _where(e: BaseException) -> str:
+    """'file:line in function: ' of the innermost frame of ``e``'s traceback (or of its cause's)."""
+    while e.__cause__ is not None and e.__traceback__ is None:
+        e = e.__cause__
+    tb = traceback.extract_tb(e.__traceback__) if e.__traceback__ is not None else []
+    if not tb:
+        return ""
+    f = tb[-1]
+    return f"{Path(f.filename).name}:{f.lineno} in {f.name}: "
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (q in [0, 100]) of a non-empty list."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def git_commit(default: str = "unknown") -> str:
+    """Short commit of the checkout holding this package ("-dirty" when tracked files differ), or ``default``."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10)
+        if sha.returncode != 0 or not sha.stdout.strip():
+            return default
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    except Exception:
+        return default
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of python, torch, triton and tilelang, read from the installed metadata (no import of tilelang)."""
+    from importlib import metadata
+
+    import torch
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "tilelang"):
+        try:
+            out[mod] = metadata.version(mod)
+        except Exception:
+            out[mod] = "not installed"
+    return out
+
+
+def gpu_load(device) -> tuple[bool | None, str]:
+    """(busy, description) of the GPU's load by other processes, read cheaply before any work of ours: NVML
+    utilisation through torch (pynvml), else nvidia-smi. ``busy`` is None when it cannot be read."""
+    import torch
+    samples: list[int] = []
+    how = ""
+    try:
+        for _ in range(3):
+            samples.append(int(torch.cuda.utilization(device)))
+            time.sleep(0.05)
+        how = "NVML"
+    except Exception:
+        samples = []
+    if not samples:
+        try:
+            index = torch.device(device).index or 0
+            for _ in range(3):
+                r = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=utilization.gpu",
+                                    "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
+                samples.append(int(r.stdout.strip().splitlines()[0]))
+                time.sleep(0.05)
+            how = "nvidia-smi"
+        except Exception:
+            samples = []
+    if not samples:
+        return None, "GPU load could not be read (no NVML, no nvidia-smi): timings are from a possibly shared machine"
+    busy = sorted(samples)[1] > 5
+    desc = f"GPU utilisation before the run {'/'.join(map(str, samples))} % ({how})"
+    return busy, (desc + ": another process is loading the GPU" if busy else
+                  desc + ": idle at start; the machine may still be shared, so timings are from a shared machine")
+
+
+# ---- pools: the project's and external ones, written through the same attributes --------------------------------
+def _tokens(pool) -> Any:
+    """fp16 [NS, H, R, K + V] Compensator Tokens of a pool: ``tokens`` (leapquant) or ``uq`` (the seed)."""
+    t = getattr(pool, "tokens", None)
+    return t if t is not None else pool.uq
+
+
+def pool_heads(pool) -> int:
+    return int(pool.codes.shape[1])
+
+
+def pool_gate(pool) -> str:
+    return "kda" if getattr(pool, "pcum", None) is not None and getattr(pool, "gbuf", None) is not None else "gdn"
+
+
+def load_programs(pool, slots, t: dict, gate: str) -> None:
+    """Write checkpoints and full windows ``t`` (leading dims [n, H]) into ``slots`` (long [n]) of any pool with the
+    ABI's attributes; ``hcnt`` is set to L (due)."""
+    from .layout import K, L
+    pool.codes[slots] = t["codes"]
+    pool.s_k[slots] = t["s_k"]
+    pool.s_v[slots] = t["s_v"]
+    tok = _tokens(pool)
+    tok[slots, :, :, :K] = t["u"]
+    tok[slots, :, :, K:] = t["q"]
+    pool.kbuf[slots] = t["kbuf"]
+    pool.ubuf[slots] = t["ubuf"]
+    pool.w[slots] = t["w"]
+    if gate == "kda":
+        pool.pcum[slots] = t["pcum"]
+        pool.gbuf[slots] = t["gbuf"]
+    else:
+        pool.p[slots] = t["p"]
+    pool.hcnt[slots] = L
+
+
+def read_checkpoint(pool, slots) -> tuple:
+    from .layout import K
+    tok = _tokens(pool)[slots]
+    return (pool.codes[slots].clone(), pool.s_k[slots].clone(), pool.s_v[slots].clone(),
+            tok[..., :K].contiguous(), tok[..., K:].contiguous())
+
+
+# ---- what gets timed ----------------------------------------------------------------------------------------------
+@dataclass
+class Target:
+    """One column of the comparison: a project backend or an external implementation module."""
+    name: str
+    kind: str                                   # "backend" | "impl"
+    flush: Callable | None = None               # flush(pool, idx, q0)
+    make_pool: Callable | None = None           # make_pool(num_slots, heads, gate, device) -> pool
+    warmup: Callable | None = None              # warmup(pool)
+    unavailable: str | None = None              # why it cannot run at all
+    max_batch: int | None = None
+    path: str | None = None
+    pools: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.pools.clear()
+
+
+def project_target(name: str, device, heads: int, gate_list: Sequence[str], shared_pools: dict) -> Target:
+    import leapquant
+    from . import dispatch
+    from .layout import Pool
+
+    why: list[str] = []
+    try:
+        for gate in gate_list if name != "auto" else ():     # auto: whatever the dispatch picks (raises if none)
+            probe = Pool(2, heads, device=device, gate=gate)
+            r = dispatch.reasons(name, probe)
+            if r:
+                why.append(f"{gate}: " + "; ".join(r))
+    except Exception as e:
+        why.append(_one_line(e))
+
+    def make_pool(num_slots, heads_, gate, dev):
+        # the project's backends share one pool per (slots, heads, gate): they read and write the same layout
+        key = (num_slots, heads_, gate, str(dev))
+        if key not in shared_pools:
+            shared_pools.clear()
+            shared_pools[key] = Pool(num_slots, heads_, device=dev, gate=gate)
+        return shared_pools[key]
+
+    def flush(pool, idx, q0):
+        leapquant.flush_inplace(pool, idx, q0, backend=name)
+
+    def warmup(pool):
+        leapquant.warmup(pool, backend=name)
+
+    return Target(name=name, kind="backend", flush=flush, make_pool=make_pool, warmup=warmup,
+                  unavailable=" | ".join(why) or None)
+
+
+def load_impl_module(path: str):
+    """Import ``path`` as a module of its own (it is not copied anywhere)."""
+    p = Path(path).expanduser().resolve()
+    if not p.is_file():
+        raise FileNotFoundError(f"--impl {path}: no such file")
+    modname = f"leapquant_bench_impl_{p.stem}_{abs(hash(str(p))) % 10**8}"
+    spec = importlib.util.spec_from_file_location(modname, p)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"--impl {path}: cannot be loaded as a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(modname, None)
+        raise
+    for attr in ("Pool", "flush_inplace"):
+        if not hasattr(mod, attr):
+            raise AttributeError(f"--impl {path}: the module has no {attr!r} (the seed's interface: Pool(num_slots, "
+                                 f"device), flush_inplace(pool, idx, q0), run(...))")
+    return mod
+
+
+def impl_target(path: str) -> Target:
+    label = "impl:" + Path(path).stem
+    try:
+        mod = load_impl_module(path)
+    except BaseException as e:  # a broken module is a row of the table, not a crash
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        return Target(name=label, kind="impl", path=path, unavailable="import failed: " + _one_line(e))
+
+    def make_pool(num_slots, heads, gate, dev):
+        pool = mod.Pool(num_slots, dev)
+        if pool_heads(pool) != heads:
+            raise ValueError(f"the module's Pool has {pool_heads(pool)} heads, the run asks for {heads} (--heads)")
+        if pool_gate(pool) != gate:
+            raise ValueError(f"the module's Pool is {pool_gate(pool)}, the run asks for gate {gate}")
+        return pool
+
+    def flush(pool, idx, q0):
+        mod.flush_inplace(pool, idx, q0)
+
+    return Target(name=label, kind="impl", flush=flush, make_pool=make_pool, warmup=None, path=path)
+
+
+# ---- measurements ----------------------------------------------------------------------------------------------
+def copy_bandwidth(device) -> tuple[float, str]:
+    """Device-to-device copy bandwidth in bytes/s (read + written), measured here; and how."""
+    import torch
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        n = 1 << 30
+        src = torch.empty(n // 4, dtype=torch.float32, device=dev).normal_()
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize(dev)
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * n / _percentile(times, 50), "1 GiB device-to-device copy, CUDA events, median of 10"
+    n = 64 << 20
+    src = torch.randn(n // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * n / _percentile(times, 50), "64 MiB host memory copy, wall-clock, median of 5"
+
+
+def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, max_seconds: float,
+               capture: bool, host_sync: bool = False) -> tuple[list[float], str]:
+    """Per-call times in microseconds of ``call(s)`` rotating s over ``nsets`` slot sets, and the method used.
+
+    On a GPU every call is bracketed by CUDA events. ``capture``: one CUDA graph per slot set holds the call and its
+    replay is timed (falls back to the eager call when the capture fails). Unless the call synchronises with the host
+    (``host_sync``), each chunk of launches is queued behind a sleep kernel, so the events measure the GPU's work and
+    not the host's launch latency."""
+    import torch
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        for s in range(nsets):                       # warm-up: one call per set
+            call(s)
+        out: list[float] = []
+        t_end = time.perf_counter() + max_seconds
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            call(r % nsets)
+            out.append((time.perf_counter() - t0) * 1e6)
+            if len(out) >= 3 and time.perf_counter() > t_end:
+                break
+        return out, "wall-clock (CPU)"
+
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):                  # warm-up on a side stream, as before a capture
+        for _ in range(2):
+            for s in range(nsets):
+                call(s)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    torch.cuda.synchronize(dev)
+
+    graphs: list | None = None
+    note = ""
+    if capture:
+        try:
+            graphs = []
+            for s in range(nsets):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    call(s)
+                graphs.append(g)
+            for g in graphs:                         # one replay each before timing
+                g.replay()
+            torch.cuda.synchronize(dev)
+        except Exception as e:
+            graphs = None
+            note = f" (graph capture failed: {_one_line(e, 120)})"
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(dev)
+    out = []
+    t_end = time.perf_counter() + max_seconds
+    chunk = 32
+    r = 0
+    try:
+        while r < repeats:
+            n = min(chunk, repeats - r)
+            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+            if not host_sync and hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(10_000_000)         # ~5 ms: keeps the GPU queue ahead of the host's launches
+            for i in range(n):
+                s = (r + i) % nsets
+                evs[i][0].record()
+                if graphs is not None:
+                    graphs[s].replay()
+                else:
+                    call(s)
+                evs[i][1].record()
+            torch.cuda.synchronize(dev)
+            out.extend(a.elapsed_time(b) * 1e3 for a, b in evs)
+            r += n
+            if len(out) >= 3 and time.perf_counter() > t_end:
+                break
+    finally:
+        del graphs
+    if capture and not note:
+        method = "CUDA graph replay, CUDA events"
+    else:
+        method = ("eager call, CUDA events" + (" (host-synchronising call)" if host_sync else " (queued)")) + note
+    return out, method
+
+
+# ---- the families, tiled to any batch ------------------------------------------------------------------------------
+class CheckData:
+    """The input families of one gate: ``rows`` distinct rows generated once, tiled to every batch; their fp64 exact
+    states and fp32 reference checkpoints computed once on the device."""
+
+    def __init__(self, gate: str, heads: int, rows: int, seed: int, device) -> None:
+        import torch
+
+        from . import families
+        from .reference import compress, rebuild
+        case = families.make_case(rows, heads, gate, seed, "cpu")
+        self.gate, self.rows = gate, rows
+        self.q0 = case.q0.to(device)
+        self.tensors = {k: v.to(device) for k, v in case.tensors.items()}
+        self.labels = case.labels
+        t = self.tensors
+        gate_kw = dict(pcum=t["pcum"], gbuf=t["gbuf"]) if gate == "kda" else dict(p=t["p"])
+        ck = tuple(t[n] for n in ("codes", "s_k", "s_v", "u", "q"))
+        self.exact = rebuild(*ck, t["kbuf"], t["ubuf"], t["w"], **gate_kw, dtype=torch.float64)
+        self.ref = compress(rebuild(*ck, t["kbuf"], t["ubuf"], t["w"], **gate_kw), self.q0)
+
+    @staticmethod
+    def _tile(x, batch: int):
+        import torch
+        reps = -(-batch // x.shape[0])
+        return (torch.cat([x] * reps) if reps > 1 else x)[:batch]
+
+    def batch(self, batch: int) -> tuple[dict, Any, tuple, list]:
+        """(inputs, exact fp64 states, reference checkpoint, labels) of ``batch`` rows."""
+        t = {k: self._tile(v, batch) for k, v in self.tensors.items()}
+        labels = [self.labels[b % self.rows] for b in range(batch)]
+        return t, self._tile(self.exact, batch), tuple(self._tile(r, batch) for r in self.ref), labels
+
+
+def judge(name: str, data: CheckData, batch: int, out: Sequence) -> Any:
+    from . import criterion
+    _, exact, ref, labels = data.batch(batch)
+    return criterion.judge(exact, list(out), list(ref), labels=labels, name=name)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    backend: str
+    gate: str
+    batch: int
+    heads: int
+    due: str
+    due_programs: int = 0
+    median_us: float = float("nan")
+    p20_us: float = float("nan")
+    p80_us: float = float("nan")
+    samples: int = 0
+    timing: str = ""
+    bound_us: float = float("nan")
+    ratio: float = float("nan")
+    verdict: str = ""
+    worst_ratio: float = float("nan")
+    message: str = ""
+
+    def as_dict(self, env: dict) -> dict:
+        d = {c: getattr(self, c, None) for c in CSV_COLUMNS if hasattr(self, c)}
+        for c in ("median_us", "p20_us", "p80_us", "bound_us"):
+            d[c] = round(d[c], 3)
+        d["ratio"] = round(d["ratio"], 4)
+        d["worst_ratio"] = round(d["worst_ratio"], 6)
+        env = dict(env, bandwidth_gbs=round(env["bandwidth_gbs"], 1))
+        d["due_fraction"] = DUE_FRACTIONS[self.due]
+        d.update({k: env[k] for k in CSV_COLUMNS if k in env})
+        return {c: d.get(c, "") for c in CSV_COLUMNS}
+
+
+def due_pattern(nsets: int, batch: int, heads: int, due: str, seed: int, device) -> tuple[list, int]:
+    """hcnt values [batch, heads] for each slot set, and the number of due programs per call.
+
+    all: every program due. none: every program at a phase in [0, L). sixteenth: round(batch * heads / 16) programs
+    (at least one) due, placed at random over rows and heads (so rows and heads carry uneven loads, as at steady
+    state), every other program at a phase in [0, L); a different placement in every set."""
+    import torch
+
+    from .layout import L
+    g = torch.Generator().manual_seed(seed * 7919 + batch * 31 + heads)
+    n = batch * heads
+    if due == "all":
+        return [torch.full((batch, heads), L, dtype=torch.int32, device=device)] * nsets, n
+    ndue = 0 if due == "none" else max(1, round(n * DUE_FRACTIONS[due]))
+    out = []
+    for _ in range(nsets):
+        h = torch.randint(0, L, (n,), generator=g, dtype=torch.int32)
+        if ndue:
+            h[torch.randperm(n, generator=g)[:ndue]] = L
+        out.append(h.reshape(batch, heads).to(device))
+    return out, ndue
+
+
+def _fmt(x: float, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.{nd}f}"
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    head = ("| backend | gate | batch | heads | due | due programs | median us | p20 us | p80 us | bound us "
+            "| x bound | verdict | worst ratio |")
+    lines = [head, "|" + "|".join([" --- "] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        verdict = r.verdict if len(r.verdict) <= 60 else r.verdict[:57] + "..."
+        lines.append(f"| {r.backend} | {r.gate} | {r.batch} | {r.heads} | {r.due} | {r.due_programs} "
+                     f"| {_fmt(r.median_us)} | {_fmt(r.p20_us)} | {_fmt(r.p80_us)} | {_fmt(r.bound_us)} "
+                     f"| {_fmt(r.ratio, 2)} | {verdict} | {_fmt(r.worst_ratio, 4)} |")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, rows: Sequence[Row], env: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS))
+        w.writeheader()
+        for r in rows:
+            w.writerow(r.as_dict(env))
+
+
+def write_plot(path: str, rows: Sequence[Row], env: dict) -> None:
+    """Median time (p20-p80 bars) against batch, one panel per (gate, due fraction), one line per backend, with the
+    memory bound dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(g, d) for g in dict.fromkeys(r.gate for r in rows) for d in DUE_FRACTIONS
+              if any(r.gate == g and r.due == d for r in rows)]
+    if not panels:
+        raise ValueError("nothing to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
+    unit = "us" if env.get("device_type") == "cuda" else "us (wall-clock)"
+    for ax, (gate, due) in zip(axes[0], panels):
+        sel = [r for r in rows if r.gate == gate and r.due == due]
+        for name in dict.fromkeys(r.backend for r in sel):
+            pts = sorted((r.batch, r.median_us, r.p20_us, r.p80_us) for r in sel
+                         if r.backend == name and not math.isnan(r.median_us))
+            if not pts:
+                continue
+            b, m, lo, hi = zip(*pts)
+            ax.errorbar(b, m, yerr=[[mi - l for mi, l in zip(m, lo)], [h - mi for mi, h in zip(m, hi)]],
+                        marker="o", capsize=3, label=name)
+        bound = sorted({(r.batch, r.bound_us) for r in sel if not math.isnan(r.bound_us) and r.bound_us > 0})
+        if bound:
+            ax.plot([b for b, _ in bound], [u for _, u in bound], "k--", label="memory bound")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"batch (sequences x {sel[0].heads} heads)")
+        ax.set_ylabel(f"time per call, {unit}")
+        ax.set_title(f"{gate}, due: {due}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"LeapQuant flush on {env.get('device', '?')}, {env.get('commit', '?')} "
+                 f"(copy {env.get('bandwidth_gbs', 0):.0f} GB/s; {env.get('timing_short', '')})", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _header(env: dict) -> str:
+    lines = [
+        f"# LeapQuant flush benchmark ({env['date']})",
+        "",
+        f"- device: {env['device_long']}",
+        f"- copy bandwidth (read + written): {env['bandwidth_gbs']:.0f} GB/s — {env['bandwidth_how']}",
+        f"- memory bound: due programs x {env['bytes_kda']} B (kda) / {env['bytes_gdn']} B (gdn) per due program "
+        f"(`due_program_bytes`) at that bandwidth",
+        f"- timing: {env['timing_long']}",
+        f"- L2-cold: {env['rotate']} disjoint slot sets flushed in rotation",
+        f"- correctness: {env['check_long']}",
+        f"- versions: python {env['python']}, torch {env['torch']}, triton {env['triton']}, "
+        f"tilelang {env['tilelang']}; commit {env['commit']}",
+        f"- load: {env['load']}",
+        f"- command: `{env['command']}`",
+    ]
+    return "\n".join(lines)
+
+
+def _argv(argv: Sequence[str] | None) -> list[str]:
+    """The bench's own arguments: ``argv``, else the process's (without the ``bench`` subcommand word)."""
+    if argv is not None:
+        return list(argv)
+    cmd = sys.argv[1:]
+    return cmd[1:] if cmd[:1] == ["bench"] else cmd
+
+
+def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); returns the exit status."""
+    if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        # the interpreter must be on before triton is first imported, and importing leapquant (torch.compiler)
+        # already imported it: run the benchmark again in a child process with the variable set
+        cmd = _argv(argv)
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        code = "import sys; from leapquant.bench import main; sys.exit(main(sys.argv[1:]))"
+        return subprocess.call([sys.executable, "-c", code, *cmd], env=env)
+    import torch
+
+    import leapquant
+    from .layout import due_program_bytes
+    from .reference import default_q0
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    on_gpu = device.type == "cuda"
+    if args.rotate < 8:
+        print("leapquant bench: --rotate must be at least 8 (L2-cold timing)", file=sys.stderr)
+        return EXIT_USAGE
+    batches = list(dict.fromkeys(args.batch or (DEFAULT_GPU_BATCHES if on_gpu else DEFAULT_CPU_BATCHES)))
+    if any(b < 1 for b in batches) or args.heads < 1 or args.check_rows < 1:
+        print("leapquant bench: --batch, --heads and --check-rows must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    repeats = args.repeats or (100 if on_gpu else 3)
+    progress_quiet = args.quiet
+
+    load_busy, load_desc = (None, "CPU run: wall-clock timings, not kernel times")
+    if on_gpu:
+        load_busy, load_desc = gpu_load(device)
+        if load_busy and not args.allow_busy:
+            print(f"leapquant bench: refusing to time: {load_desc} (pass --allow-busy to time anyway)",
+                  file=sys.stderr)
+            return EXIT_BUSY
+
+    # ---- what to run
+    names = args.backends
+    if names is None:
+        names = [r["name"] for r in leapquant.backend_info(device, args.heads, args.gate[0]) if r["available"]]
+    names = [n for n in names if n.lower() != "none"]
+    targets: list[Target] = []
+    shared_pools: dict = {}
+    for n in dict.fromkeys(names):
+        try:
+            t = project_target(n, device, args.heads, args.gate, shared_pools)
+        except Exception as e:
+            t = Target(name=n, kind="backend", unavailable=_one_line(e))
+        if n == "reference":
+            t.max_batch = args.ref_max_batch
+        targets.append(t)
+    for path in args.impl:
+        targets.append(impl_target(path))
+    if not targets:
+        print("leapquant bench: nothing to run (no --backends, no --impl)", file=sys.stderr)
+        return EXIT_NOTHING
+
+    versions = package_versions()
+    bw, bw_how = copy_bandwidth(device)
+    env: dict[str, Any] = dict(
+        device=leapquant.device_description(device).split(" (")[0] if on_gpu else leapquant.device_description(device),
+        device_long=leapquant.device_description(device),
+        device_type=device.type,
+        sm_count=torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else "",
+        bandwidth_gbs=bw / 1e9, bandwidth_how=bw_how,
+        bytes_kda=due_program_bytes("kda"), bytes_gdn=due_program_bytes("gdn"),
+        commit=args.commit or git_commit(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        rotate=args.rotate, load=load_desc,
+        command="leapquant bench " + " ".join(shlex.quote(a) for a in _argv(argv)),
+        timing_long=("per call, CUDA events around the replay of a CUDA graph holding one flush_inplace call "
+                     "(launches queued behind a sleep kernel); backends that cannot be captured: events around the "
+                     "eager call (the row's `timing` column in the CSV says which)" if on_gpu else
+                     "wall-clock per call on the CPU (not kernel times)"),
+        timing_short="CUDA-graph replay, events" if on_gpu else "CPU wall-clock",
+        check_long=(f"SPEC section 3 criterion (leapquant.criterion.judge) on every family of leapquant.families: "
+                    f"{args.check_rows} distinct rows x {args.heads} heads per gate (seed {args.seed}) tiled to the "
+                    f"batch, run through the same pool and deployment call as the timing; `worst ratio` is the "
+                    f"largest err / bound over the heads (pass <= 1)" if args.refcheck else "not checked (--no-refcheck)"),
+        **versions,
+    )
+
+    q0 = default_q0(device)
+    rows: list[Row] = []
+    steps_per_batch = len(args.due) + (1 if args.refcheck else 0)
+    prog = Progress(len(targets) * len(args.gate) * len(batches) * steps_per_batch, progress_quiet)
+    prog.log(f"{env['device']}: copy bandwidth {bw / 1e9:.0f} GB/s; {load_desc}")
+    check_cache: dict[str, CheckData | str] = {}
+    max_b = max(batches)
+
+    def check_data(gate: str) -> CheckData | str:
+        if gate not in check_cache:
+            try:
+                check_cache[gate] = CheckData(gate, args.heads, args.check_rows, args.seed, device)
+            except Exception as e:
+                check_cache[gate] = "families/criterion unavailable: " + _one_line(e)
+        return check_cache[gate]
+
+    # execution order: the reference, then the external modules, then the project's GPU kernels, so that a kernel
+    # that breaks the CUDA context (a sticky error) cannot cost the rows measured before it; rows are reported in
+    # the order asked for
+    declared = {t.name: i for i, t in enumerate(targets)}
+    order = sorted(targets, key=lambda t: (0 if t.name == "reference" else 1 if t.kind == "impl" else 2,
+                                           declared[t.name]))
+    try:
+        for tgt in order:
+            for gate in args.gate:
+                pool = None
+                pool_err = tgt.unavailable
+                for batch in batches:
+                    base = dict(backend=tgt.name, gate=gate, batch=batch, heads=args.heads)
+                    skip = pool_err
+                    if skip is None and tgt.max_batch is not None and batch > tgt.max_batch:
+                        skip = f"skipped: batch > --ref-max-batch {tgt.max_batch}"
+                    if skip is None:
+                        ns = args.rotate * (max_b if args.impl_pool == "shared" or tgt.kind == "backend" else batch) + 9
+                        try:
+                            if pool is None or pool[0] != ns:
+                                pool = None
+                                if on_gpu:
+                                    torch.cuda.empty_cache()
+                                prog.log(f"{tgt.name}: building a {gate} pool of {ns} slots")
+                                pool = (ns, tgt.make_pool(ns, args.heads, gate, device))
+                                if tgt.warmup is not None:
+                                    tgt.warmup(pool[1])
+                        except BaseException as e:
+                            if isinstance(e, KeyboardInterrupt):
+                                raise
+                            pool = None
+                            pool_err = skip = ("unavailable: " if tgt.kind == "backend" else "error: ") + _one_line(e)
+                            prog.log(f"{tgt.name}: {skip}")
+                    if skip is not None:
+                        status = skip if skip.startswith(("skipped", "error", "unavailable")) else "unavailable: " + skip
+                        for due in args.due:
+                            rows.append(Row(**base, due=due, verdict=status))
+                        prog.step(f"{tgt.name} {gate} b={batch}: {status[:50]}", steps_per_batch)
+                        continue
+                    P = pool[1]
+                    run_rows(tgt, P, gate, batch, args, device, q0, rows, base, prog,
+                             check_data(gate) if args.refcheck else None, env)
+                    if args.csv:                     # what is measured so far survives a killed run
+                        with contextlib.suppress(Exception):
+                            write_csv(args.csv, rows, env)
+                pool = None
+                tgt.close()
+                if on_gpu:
+                    torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        prog.log("interrupted: writing what was measured")
+    finally:
+        prog.close()
+
+    # ---- output
+    rows.sort(key=lambda r: declared.get(r.backend, len(declared)))   # stable: gate, batch, due order kept
+    text = _header(env) + "\n\n" + markdown_table(rows) + "\n"
+    notes = [f"- {r.backend} {r.gate} b={r.batch}: {r.message}" for r in rows
+             if r.message and r.due == next((d for d in args.due), r.due)]
+    if notes:
+        text += "\nVerdicts:\n\n" + "\n".join(dict.fromkeys(notes)) + "\n"
+    print(text, end="")
+    if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text(text)
+    if args.csv:
+        write_csv(args.csv, rows, env)
+    if args.plot:
+        try:
+            write_plot(args.plot, rows, env)
+        except Exception as e:
+            print(f"leapquant bench: no plot written: {_one_line(e)}", file=sys.stderr)
+    return EXIT_OK if any(not math.isnan(r.median_us) for r in rows) else EXIT_NOTHING
+
+
+def run_rows(tgt: Target, pool, gate: str, batch: int, args, device, q0, rows: list, base: dict, prog: Progress,
+             data: CheckData | str | None, env: dict) -> None:
+    """Check (once) and time (per due fraction) one target at one batch, appending rows."""
+    import torch
+
+    from .layout import due_program_bytes
+    nsets = args.rotate
+    g = torch.Generator().manual_seed(args.seed + 1000 * batch)
+    perm = torch.randperm(nsets * batch, generator=g) + 1          # slots 1.. in a shuffled order
+    sets = [perm[s * batch:(s + 1) * batch].to(device) for s in range(nsets)]
+    idx = [s.to(torch.int32) for s in sets]
+
+    # correctness, through the same pool and call as the timing
+    verdict, worst, message = "unchecked (--no-refcheck)", float("nan"), ""
+    if data is not None:
+        if isinstance(data, str):
+            verdict = data
+        else:
+            try:
+                t, _, _, _ = data.batch(batch)
+                load_programs(pool, sets[0], t, gate)
+                tgt.flush(pool, idx[0], data.q0)
+                out = read_checkpoint(pool, sets[0])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                v = judge(tgt.name, data, batch, out)
+                verdict, worst, message = ("PASS" if v.passed else "FAIL"), float(v.worst_score), v.message
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                verdict, message = "error: " + _one_line(e, 200), "error: " + _where(e) + _one_line(e, 600)
+        prog.step(f"{tgt.name} {gate} b={batch}: check {verdict[:40]}")
+
+    # timing data: the families' rows (tiled) in every slot set
+    try:
+        tiled = data.batch(batch)[0] if isinstance(data, CheckData) else None
+    except Exception:
+        tiled = None
+    for due in args.due:
+        row = Row(**base, due=due, verdict=verdict, worst_ratio=worst, message=message)
+        try:
+            if tiled is None:
+                from . import families
+                tiled = {k: v.to(device) for k, v in families.make_case(
+                    min(batch, args.check_rows), args.heads, gate, args.seed, "cpu").tensors.items()}
+                tiled = {k: CheckData._tile(v, batch) for k, v in tiled.items()}
+            pattern, ndue = due_pattern(nsets, batch, args.heads, due, args.seed, device)
+            for s in range(nsets):
+                load_programs(pool, sets[s], tiled, gate)
+                pool.hcnt[sets[s]] = pattern[s]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples, method = time_calls(lambda s: tgt.flush(pool, idx[s], q0), nsets, args.repeats or
+                                         (100 if device.type == "cuda" else 3), device, args.max_seconds,
+                                         capture=(device.type == "cuda" and tgt.name != "reference"
+                                                  and args.timer == "graph"),
+                                         host_sync=(tgt.name == "reference"))
+            row.due_programs = ndue
+            row.median_us, row.p20_us, row.p80_us = (_percentile(samples, 50), _percentile(samples, 20),
+                                                     _percentile(samples, 80))
+            row.samples, row.timing = len(samples), method
+            row.bound_us = ndue * due_program_bytes(gate) / (env["bandwidth_gbs"] * 1e9) * 1e6
+            row.ratio = row.median_us / row.bound_us if row.bound_us > 0 else float("nan")
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            row.verdict = (verdict + "; " if verdict else "") + "timing error: " + _one_line(e, 200)
+            with contextlib.suppress(Exception):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        rows.append(row)
+        prog.step(f"{tgt.name} {gate} b={batch} due={due}: {_fmt(row.median_us)} us")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
