@@ -1,0 +1,195 @@
+"""Development bench of the TileLang backend: precompile, criterion sweep, and a per-phase time breakdown.
+
+    python bench/tilelang_dev.py precompile --arch sm_90a --sms 132      # fill TileLang's disk cache (no GPU needed)
+    python bench/tilelang_dev.py check [--batches 16 64 256 512]         # SPEC criterion, every family, both gates
+    python bench/tilelang_dev.py phases [--batch 256] [--gate kda]       # profiling builds: one phase left out each
+
+``phases`` builds variants of the kernel in which one phase is replaced by an empty unit (a *profiling build*: the
+shipped kernel has no switches), times them like the benchmark (L2-cold, 8 rotated slot sets, CUDA graph replay,
+CUDA events, median), and reports full - variant as the phase's cost. Phases overlap across the two consumer groups
+and with memory traffic, so the differences are an estimate, not an exact partition.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+PROFILE_VARIANTS = {
+    # name: phases replaced by empty units
+    "full": (),
+    "no_orthonormalise": ("orthonormalise",),
+    "no_products": ("project_columns", "project_rows", "sum_partials"),
+    "no_window_rebuild": ("rebuild_state",),
+    "no_residual": ("residual",),
+    "no_scales": ("column_scales", "row_scales"),
+    "no_codes": ("store_codes",),
+    "no_staging": ("stage_program",),
+    "ranking_only": ("stage_program", "rebuild_state", "project_columns", "project_rows", "sum_partials",
+                     "orthonormalise", "emit_tokens", "residual", "column_scales", "row_scales", "store_codes"),
+}
+PRECOMPILE_HEADS = (32, 16, 8)
+
+
+def profiling_phases(cfg, skip):
+    """The kernel's phases with those in ``skip`` replaced by empty units."""
+    import tilelang.language as T
+
+    from leapquant.tilelang.kernel import flush_phases
+    ph = flush_phases(cfg)
+
+    @T.macro
+    def empty(*args):
+        T.evaluate(0)
+
+    for name in skip:
+        setattr(ph, name, empty)
+    return ph
+
+
+def cmd_precompile(args) -> None:
+    from leapquant.tilelang.kernel import FlushConfig, compile_flush
+    for heads in args.heads:
+        for gate in args.gates:
+            t0 = time.time()
+            compile_flush(FlushConfig(heads, gate, args.arch, args.sms))
+            print(f"built heads={heads} gate={gate} arch={args.arch} sms={args.sms}: {time.time() - t0:.1f} s",
+                  flush=True)
+    if args.profile:
+        for name, skip in PROFILE_VARIANTS.items():
+            if skip:
+                cfg = FlushConfig(32, args.profile_gate, args.arch, args.sms)
+                t0 = time.time()
+                compile_flush(cfg, profiling_phases(cfg, skip))
+                print(f"built profiling variant {name}: {time.time() - t0:.1f} s", flush=True)
+
+
+def cmd_check(args) -> int:
+    import leapquant as lq
+    from leapquant import criterion, families
+    from leapquant.bench import CheckData
+    dev = torch.device("cuda")
+    lines, failed = [], 0
+    for gate in args.gates:
+        data = CheckData(gate, 32, args.rows, args.seed, dev)
+        for batch in args.batches:
+            t, exact, ref, labels = data.batch(batch)
+            fn = lq.run if gate == "kda" else lq.run_gdn
+            names = ("codes", "s_k", "s_v", "u", "q", "kbuf", "ubuf") + (
+                ("gbuf", "w", "pcum") if gate == "kda" else ("w", "p"))
+            out = fn(*(t[n] for n in names), data.q0, backend="tilelang")
+            v = criterion.judge(exact, list(out), list(ref), labels=labels, name=f"tilelang {gate} b{batch}")
+            failed += not v.passed
+            lines.append(f"families {gate} batch={batch}x32: worst score {v.worst_score:.4f} :: {v.message}")
+            print(lines[-1], flush=True)
+        for fam in ("tiny", "pcum_below_1000", "window_rank2", "rank1_noise", "zero", "huge"):
+            case = families.make_case(8, 32, gate, seed=3, families=[fam]).to(dev)
+            S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"],
+                                      case.tensors["w"], **case.gate_kwargs())
+            v = criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels,
+                                name=f"tilelang {gate} {fam}")
+            failed += not v.passed
+            lines.append(f"family {fam} {gate} 8x32: worst score {v.worst_score:.4f} :: {v.message}")
+            print(lines[-1], flush=True)
+        for heads in (16, 8):
+            case = families.make_case(32, heads, gate, seed=heads).to(dev)
+            S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"],
+                                      case.tensors["w"], **case.gate_kwargs())
+            v = criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels,
+                                name=f"tilelang {gate} heads={heads}")
+            failed += not v.passed
+            lines.append(f"heads={heads} {gate} 32 rows: worst score {v.worst_score:.4f} :: {v.message}")
+            print(lines[-1], flush=True)
+    print(f"CHECK {'PASS' if not failed else f'FAIL ({failed})'}")
+    return 1 if failed else 0
+
+
+def cmd_phases(args) -> int:
+    from leapquant.bench import due_pattern, time_calls
+    from leapquant.layout import Pool
+    from leapquant.reference import default_q0
+    from leapquant.tilelang import config_for
+    from leapquant.tilelang.kernel import compile_flush
+    dev = torch.device("cuda")
+    nsets, batch, heads = 8, args.batch, 32
+    pool = Pool(nsets * batch + 1, heads, device=dev, gate=args.gate)
+    g = torch.Generator().manual_seed(0)
+    pool.raw.copy_(torch.randn(pool.raw.shape, generator=g).to(dev))
+    pool.s_k.copy_(torch.rand(pool.s_k.shape, generator=g).add_(0.1).to(dev))
+    pool.s_v.copy_(torch.rand(pool.s_v.shape, generator=g).add_(0.1).to(dev))
+    pool.tokens.copy_((0.1 * torch.randn(pool.tokens.shape, generator=g)).to(dev, torch.float16))
+    pool.codes.copy_(torch.randint(-127, 128, pool.codes.shape, generator=g, dtype=torch.int8).to(dev))
+    pool.kbuf.copy_(torch.randn(pool.kbuf.shape, generator=g).to(dev, torch.bfloat16))
+    pool.ubuf.copy_(torch.randn(pool.ubuf.shape, generator=g).to(dev, torch.bfloat16))
+    q0 = default_q0(dev)
+    cfg = config_for(pool)
+    sets = [torch.arange(1 + s * batch, 1 + (s + 1) * batch, dtype=torch.int32, device=dev) for s in range(nsets)]
+    hc, _ = due_pattern(nsets, batch, heads, args.due, 0, dev)
+    results = {}
+    for name, skip in PROFILE_VARIANTS.items():
+        from leapquant.tilelang import _placeholders
+        kern = compile_flush(cfg, profiling_phases(cfg, skip) if skip else None)
+        ph = _placeholders(pool)
+        pcum, gbuf, p = ((pool.pcum, pool.gbuf, ph["p"]) if pool.gate == "kda" else (ph["pcum"], ph["gbuf"], pool.p))
+
+        # hcnt is set once per set before timing (the flush never changes it)
+        for s in range(nsets):
+            pool.hcnt[sets[s].long()] = hc[s]
+
+        def timed(s, kern=kern, pcum=pcum, gbuf=gbuf, p=p):
+            kern(pool.raw.view(torch.int32), pool.raw, pool.raw.view(torch.float16), pool.kbuf, pool.ubuf, pool.w,
+                 pcum, gbuf, p, pool.hcnt, q0, sets[s])
+
+        times, method = time_calls(timed, nsets, args.repeats, dev, 10.0, capture=True)
+        times.sort()
+        results[name] = times[len(times) // 2]
+        print(f"{name:20s} {results[name]:9.1f} us  ({method})", flush=True)
+    full = results["full"]
+    print("\n| variant | median us | full - variant (phase estimate) us |")
+    print("| --- | --- | --- |")
+    for name, t in results.items():
+        print(f"| {name} | {t:.1f} | {full - t:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(batch=batch, heads=heads, gate=args.gate, due=args.due, results_us=results), f, indent=1)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("precompile")
+    p.add_argument("--arch", default="sm_90a")
+    p.add_argument("--sms", type=int, default=132)
+    p.add_argument("--heads", type=int, nargs="*", default=list(PRECOMPILE_HEADS))
+    p.add_argument("--gates", nargs="*", default=["kda", "gdn"])
+    p.add_argument("--profile", action="store_true", help="also the profiling variants (32 heads)")
+    p.add_argument("--profile-gate", default="kda")
+    c = sub.add_parser("check")
+    c.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256, 512])
+    c.add_argument("--gates", nargs="+", default=["kda", "gdn"])
+    c.add_argument("--rows", type=int, default=16)
+    c.add_argument("--seed", type=int, default=0)
+    f = sub.add_parser("phases")
+    f.add_argument("--batch", type=int, default=256)
+    f.add_argument("--gate", default="kda")
+    f.add_argument("--due", default="all")
+    f.add_argument("--repeats", type=int, default=50)
+    f.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.cmd == "precompile":
+        cmd_precompile(args)
+        return 0
+    if args.cmd == "check":
+        return cmd_check(args)
+    return cmd_phases(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

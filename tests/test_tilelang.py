@@ -1,0 +1,286 @@
+"""The TileLang backend: its build for both targets (CPU, no GPU needed), its capability checks, and on a GPU its
+output against the fp32 reference by the SPEC criterion and its deployment contract.
+
+CPU part (CI): the kernel is lowered and compiled with nvcc for sm_90a and sm_100a (a break in the TileLang code fails
+here), and ``reasons`` is checked on CPU pools and declined geometries. Skipped only where nvcc or tilelang is absent.
+GPU part (``gpu`` marker, skipped without CUDA): every input family at batch 16-512 x 32 heads for both gates, the
+tiny head, heads 16 and 8, the pool footprint (poison, untouched bytes, window reset) and a CUDA graph replay.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import leapquant as lq
+from leapquant import criterion, dispatch, families, reference
+from leapquant.layout import L, Pool
+from helpers import POISON_CODE, assert_flush_footprint, fill_noise, snapshot
+
+tilelang = pytest.importorskip("tilelang")
+from leapquant import tilelang as lq_tl  # noqa: E402  (registers the backend)
+from leapquant.tilelang import kernel as tl_kernel  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_NVCC = shutil.which("nvcc") is not None
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc (the CUDA toolkit)")
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+
+
+# ---- CPU: the kernel builds for both targets ---------------------------------------------------------------------
+@needs_nvcc
+@pytest.mark.parametrize("arch,sms,gate,heads", [("sm_90a", 132, "kda", 32), ("sm_100a", 148, "kda", 32),
+                                                 ("sm_100a", 148, "gdn", 8)])
+def test_kernel_compiles_for_target(monkeypatch, arch, sms, gate, heads):
+    """Lower the kernel and compile it with nvcc for the target (TileLang's disk cache off, so nvcc really runs)."""
+    monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")
+    cfg = tl_kernel.FlushConfig(num_heads=heads, gate=gate, arch=arch, num_sms=sms)
+    kern = tl_kernel.compile_flush(cfg)
+    src = kern.get_kernel_source()
+    assert "leapquant_flush" in src
+    assert "__launch_bounds__(512" in src, "one CTA of 512 threads per SM is what the register budget assumes"
+    assert tl_kernel.shared_bytes(cfg) <= 227 * 1024
+
+
+def test_config_rejects_other_geometries():
+    with pytest.raises(ValueError):
+        tl_kernel.FlushConfig(num_heads=12, gate="kda", arch="sm_90a", num_sms=132)
+    with pytest.raises(ValueError):
+        tl_kernel.FlushConfig(num_heads=32, gate="mamba", arch="sm_90a", num_sms=132)
+
+
+# ---- the verifier -------------------------------------------------------------------------------------------------
+def test_reasons_on_cpu_pool():
+    why = lq_tl.reasons(Pool(2, 32, device="cpu", gate="kda"))
+    assert any("CUDA" in w for w in why), why
+
+
+def test_reasons_decline_other_head_counts():
+    for heads in (1, 4, 12, 24, 64):
+        why = lq_tl.reasons(Pool(2, heads, device="cpu", gate="gdn"))
+        assert any("num_heads" in w for w in why), (heads, why)
+
+
+def test_reasons_report_tilelang_version(monkeypatch):
+    lq_tl._tilelang_problem.cache_clear()
+    monkeypatch.setattr(tilelang, "__version__", "0.1.99")
+    try:
+        why = lq_tl.reasons(Pool(2, 32, device="cpu"))
+        assert any("0.1.12" in w for w in why), why
+    finally:
+        lq_tl._tilelang_problem.cache_clear()
+
+
+def test_reasons_report_missing_nvcc(monkeypatch):
+    lq_tl._nvcc_problem.cache_clear()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    import tilelang.contrib.nvcc as tl_nvcc
+    monkeypatch.setattr(tl_nvcc, "get_nvcc_compiler", lambda: None, raising=False)
+    try:
+        why = lq_tl.reasons(Pool(2, 32, device="cpu"))
+        assert any("nvcc" in w for w in why), why
+    finally:
+        lq_tl._nvcc_problem.cache_clear()
+
+
+def test_registered_and_forced_backend_raises_on_cpu():
+    assert dispatch.get_backend("tilelang") is not None
+    pool = Pool(3, 32, device="cpu")
+    with pytest.raises(lq.BackendUnavailable):
+        lq.flush_inplace(pool, torch.tensor([1], dtype=torch.int32), lq.default_q0(), backend="tilelang")
+
+
+# ---- GPU: the criterion ---------------------------------------------------------------------------------------------
+def _judge(case: families.Case, out) -> criterion.Verdict:
+    S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"], case.tensors["w"],
+                              **case.gate_kwargs())
+    return criterion.judge(S, out, case.reference(), labels=case.labels, name="tilelang")
+
+
+def _skip_unless_served(heads: int = 32, gate: str = "kda") -> None:
+    why = lq_tl.reasons(Pool(2, heads, device=DEVICE, gate=gate))
+    if why:
+        pytest.skip("tilelang cannot serve here: " + "; ".join(why))
+
+
+_CHECK_DATA: dict = {}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("batch", [16, 64, 256, 512])
+def test_gpu_every_family(gate, batch):
+    """Every input family (edge cases, second window, random, kda_sim) at batch x 32 heads: 16 distinct rows of
+    families tiled to the batch (leapquant.bench.CheckData), through the functional form."""
+    _skip_unless_served(32, gate)
+    from leapquant.bench import CheckData
+    data = _CHECK_DATA.get(gate)
+    if data is None:
+        data = _CHECK_DATA[gate] = CheckData(gate, 32, 16, 0, DEVICE)
+    t, exact, ref, labels = data.batch(batch)
+    if gate == "kda":
+        out = lq.run(t["codes"], t["s_k"], t["s_v"], t["u"], t["q"], t["kbuf"], t["ubuf"], t["gbuf"], t["w"],
+                     t["pcum"], data.q0, backend="tilelang")
+    else:
+        out = lq.run_gdn(t["codes"], t["s_k"], t["s_v"], t["u"], t["q"], t["kbuf"], t["ubuf"], t["w"], t["p"],
+                         data.q0, backend="tilelang")
+    v = criterion.judge(exact, list(out), list(ref), labels=labels, name="tilelang")
+    assert v.passed, f"batch {batch} {gate}: {v.message}"
+    assert [o.dtype for o in out] == [torch.int8, torch.float32, torch.float32, torch.float16, torch.float16]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("family", ["tiny", "pcum_below_1000", "zero", "huge", "window_rank1", "window_rank2",
+                                    "rank1_noise", "decayed"])
+def test_gpu_hard_families(gate, family):
+    """The tiny head (~1e-4: an fp16 residual fails there by 1.4-2 %), pcum < -1000, rank-deficient heads."""
+    _skip_unless_served(32, gate)
+    case = families.make_case(4, 32, gate, seed=7, families=[family]).to(DEVICE)
+    out = case.run(backend="tilelang")
+    v = _judge(case, out)
+    assert v.passed, v.message
+    if family == "zero":
+        assert float(reference.decode_checkpoint(*out).abs().max()) == 0.0
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [16, 8])
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_gpu_other_head_counts(heads, gate):
+    _skip_unless_served(heads, gate)
+    case = families.make_case(40, heads, gate, seed=heads).to(DEVICE)
+    v = _judge(case, case.run(backend="tilelang"))
+    assert v.passed, v.message
+
+
+# ---- GPU: the deployment contract -----------------------------------------------------------------------------------
+def _due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    idx_l = idx.long().cpu()
+    ok = (idx_l > 0) & (idx_l < pool.num_slots)
+    slots = torch.unique(idx_l[ok])
+    due = pool.hcnt.cpu()[slots] == L
+    rows, heads = due.nonzero(as_tuple=True)
+    return slots[rows], heads
+
+
+def _inputs_of(pool: Pool, slots: torch.Tensor, heads: torch.Tensor):
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    tok = pool.tokens[s, h]
+    ck = (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K], tok[..., lq.K:])
+    win = (pool.kbuf[s, h], pool.ubuf[s, h], pool.w[s, h])
+    gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])
+    add = lambda t: t.clone().unsqueeze(0)  # noqa: E731
+    return tuple(map(add, ck)), tuple(map(add, win)), {k: add(v) for k, v in gate.items()}
+
+
+def _judge_programs(pool: Pool, slots, heads, inputs, q0) -> criterion.Verdict:
+    ck, win, gate = inputs
+    S = criterion.exact_state(*ck, *win, **gate)
+    ref = reference.compress(reference.rebuild(*ck, *win, **gate), q0)
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    tok = pool.tokens[s, h]
+    out = tuple(t.unsqueeze(0) for t in (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K],
+                                         tok[..., lq.K:]))
+    return criterion.judge(S, out, ref, name="tilelang")
+
+
+def _make_pool(gate: str, heads: int, seed: int, num_slots: int = 7) -> tuple[Pool, torch.Tensor]:
+    """Noise everywhere, family data in slots 2, 3, 5, a mix of due and not-due programs; idx has skipped rows and
+    a due slot (4) that is not in idx; slot 0 is marked due and must never be flushed."""
+    pool = Pool(num_slots, heads, device=DEVICE, gate=gate)
+    fill_noise(pool, seed=seed)
+    case = families.make_case(3, heads, gate, seed=seed).to(DEVICE)
+    case.load_into(pool, [2, 3, 5])
+    g = torch.Generator().manual_seed(seed)
+    pool.hcnt[2] = torch.where(torch.rand(heads, generator=g) < 0.5, L, L - 1).to(DEVICE, torch.int32)
+    pool.hcnt[4] = L
+    pool.hcnt[0] = L
+    idx = torch.tensor([3, 0, 2, 5, 0], dtype=torch.int32, device=DEVICE)
+    return pool, idx
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("heads", [8, 32])
+def test_gpu_footprint_and_poison(gate, heads):
+    """Due checkpoints poisoned (0x7f codes, zero scales and tokens) are all rewritten and pass the criterion;
+    every other byte (non-due programs, slot 0, rows not in idx, spare regions, bytes past each checkpoint, hcnt)
+    is untouched; the due windows are reset."""
+    _skip_unless_served(heads, gate)
+    pool, idx = _make_pool(gate, heads, seed=5 + heads)
+    slots, hs = _due_programs(pool, idx)
+    s, h = slots.to(DEVICE), hs.to(DEVICE)
+    pool.codes[s, h] = POISON_CODE
+    pool.s_k[s, h] = 0.0
+    pool.s_v[s, h] = 0.0
+    pool.tokens[s, h] = 0.0
+    pool.s_k[4, 0] = float("nan")
+    pool.s_v[0, 0] = float("nan")
+    inputs = _inputs_of(pool, slots, hs)
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="tilelang")
+    torch.cuda.synchronize()
+    assert_flush_footprint(pool, before, slots, hs)
+    assert bool((pool.s_k[s, h] >= lq.EPS).all()) and bool((pool.s_v[s, h] >= lq.EPS).all())
+    v = _judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE))
+    assert v.passed, v.message
+
+
+@gpu
+@needs_cuda
+def test_gpu_out_of_range_slots_are_skipped():
+    """Slots outside [1, num_slots) (reachable under graph capture, where values are not checked) change nothing."""
+    _skip_unless_served(8, "kda")
+    pool, _ = _make_pool("kda", 8, seed=9)
+    pool.hcnt.fill_(L)
+    before = snapshot(pool)
+    bad = torch.tensor([0, -1, pool.num_slots, pool.num_slots + 100, -(2**31)], dtype=torch.int32, device=DEVICE)
+    lq_tl.flush(pool, bad, lq.default_q0(DEVICE))
+    torch.cuda.synchronize()
+    assert_flush_footprint(pool, before, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_gpu_graph_replay(gate):
+    """Captured once, replayed with different due sets: each replay flushes exactly the programs due then."""
+    heads = 32
+    _skip_unless_served(heads, gate)
+    pool = Pool(12, heads, device=DEVICE, gate=gate)
+    fill_noise(pool, seed=1)
+    idx = torch.tensor([3, 0, 7, 1, 11, 5], dtype=torch.int32, device=DEVICE)
+    q0 = lq.default_q0(DEVICE)
+    lq.warmup(pool, backend="tilelang")
+    pool.hcnt.zero_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            lq.flush_inplace(pool, idx, q0, backend="tilelang")
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.Generator().manual_seed(2)
+    for rep, frac in enumerate((0.0, 1.0 / 16, 0.5, 1.0)):
+        case = families.make_case(4, heads, gate, seed=rep).to(DEVICE)
+        case.load_into(pool, [3, 7, 11, 9])
+        due = torch.rand(pool.num_slots, heads, generator=g) < frac
+        pool.hcnt.copy_(torch.where(due, L, L - 1 - rep).to(DEVICE, torch.int32))
+        slots, hs = _due_programs(pool, idx)
+        inputs = _inputs_of(pool, slots, hs)
+        before = snapshot(pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_flush_footprint(pool, before, slots, hs)
+        if len(slots):
+            v = _judge_programs(pool, slots, hs, inputs, q0)
+            assert v.passed, f"replay {rep}: {v.message}"
