@@ -45,7 +45,7 @@ CSV_COLUMNS = (
     "backend", "gate", "batch", "heads", "due", "due_fraction", "due_programs",
     "median_us", "p20_us", "p80_us", "samples", "timing",
     "bound_us", "ratio", "verdict", "worst_ratio", "message",
-    "device", "sm_count", "bandwidth_gbs", "torch", "triton", "tilelang", "python", "commit", "date",
+    "device", "sm_count", "bandwidth_gbs", "timer_floor_us", "torch", "triton", "tilelang", "python", "commit", "date",
 )
 
 #: exit codes
@@ -368,8 +368,15 @@ def impl_target(path: str) -> Target:
             raise
         return Target(name=label, kind="impl", path=path, unavailable="import failed: " + _one_line(e))
 
+    cache: dict = {}
+
     def make_pool(num_slots, heads, gate, dev):
-        pool = mod.Pool(num_slots, dev)
+        # one pool per size, kept across gates: building one may compile a kernel (the seed's does)
+        key = (num_slots, str(dev))
+        if key not in cache:
+            cache.clear()
+            cache[key] = mod.Pool(num_slots, dev)
+        pool = cache[key]
         if pool_heads(pool) != heads:
             raise ValueError(f"the module's Pool has {pool_heads(pool)} heads, the run asks for {heads} (--heads)")
         if pool_gate(pool) != gate:
@@ -379,7 +386,7 @@ def impl_target(path: str) -> Target:
     def flush(pool, idx, q0):
         mod.flush_inplace(pool, idx, q0)
 
-    return Target(name=label, kind="impl", flush=flush, make_pool=make_pool, warmup=None, path=path)
+    return Target(name=label, kind="impl", flush=flush, make_pool=make_pool, warmup=None, path=path, pools=cache)
 
 
 # ---- measurements ----------------------------------------------------------------------------------------------
@@ -428,8 +435,7 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
     import torch
     dev = torch.device(device)
     if dev.type != "cuda":
-        for s in range(nsets):                       # warm-up: one call per set
-            call(s)
+        call(nsets - 1)                              # warm-up (no L2 to speak of at CPU timescales: one call)
         out: list[float] = []
         t_end = time.perf_counter() + max_seconds
         for r in range(repeats):
@@ -499,6 +505,17 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
     return out, method
 
 
+def timer_floor(device, graph: bool) -> float:
+    """Median microseconds that :func:`time_calls` reports for one tiny kernel (a graph replay of it on a GPU): the
+    floor of the method, inside every reported time."""
+    import torch
+    dev = torch.device(device)
+    x = torch.zeros(1, device=dev)
+    samples, _ = time_calls(lambda s: x.add_(1.0), 8, 64 if dev.type == "cuda" else 16, dev, 2.0,
+                            capture=(dev.type == "cuda" and graph))
+    return _percentile(samples, 50)
+
+
 # ---- the families, tiled to any batch ------------------------------------------------------------------------------
 class CheckData:
     """The input families of one gate: ``rows`` distinct rows generated once, tiled to every batch; their fp64 exact
@@ -565,7 +582,7 @@ class Row:
             d[c] = round(d[c], 3)
         d["ratio"] = round(d["ratio"], 4)
         d["worst_ratio"] = round(d["worst_ratio"], 6)
-        env = dict(env, bandwidth_gbs=round(env["bandwidth_gbs"], 1))
+        env = dict(env, bandwidth_gbs=round(env["bandwidth_gbs"], 1), timer_floor_us=round(env["timer_floor_us"], 3))
         d["due_fraction"] = DUE_FRACTIONS[self.due]
         d.update({k: env[k] for k in CSV_COLUMNS if k in env})
         return {c: d.get(c, "") for c in CSV_COLUMNS}
@@ -673,6 +690,8 @@ def _header(env: dict) -> str:
         f"- memory bound: due programs x {env['bytes_kda']} B (kda) / {env['bytes_gdn']} B (gdn) per due program "
         f"(`due_program_bytes`) at that bandwidth",
         f"- timing: {env['timing_long']}",
+        f"- timer floor: {env['timer_floor_us']:.2f} us — the same timing around one tiny kernel "
+        f"(what an empty call costs with this method here; it is inside every time below)",
         f"- L2-cold: {env['rotate']} disjoint slot sets flushed in rotation",
         f"- correctness: {env['check_long']}",
         f"- versions: python {env['python']}, torch {env['torch']}, triton {env['triton']}, "
@@ -751,12 +770,13 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
 
     versions = package_versions()
     bw, bw_how = copy_bandwidth(device)
+    floor_us = timer_floor(device, args.timer == "graph")
     env: dict[str, Any] = dict(
         device=leapquant.device_description(device).split(" (")[0] if on_gpu else leapquant.device_description(device),
         device_long=leapquant.device_description(device),
         device_type=device.type,
         sm_count=torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else "",
-        bandwidth_gbs=bw / 1e9, bandwidth_how=bw_how,
+        bandwidth_gbs=bw / 1e9, bandwidth_how=bw_how, timer_floor_us=floor_us,
         bytes_kda=due_program_bytes("kda"), bytes_gdn=due_program_bytes("gdn"),
         commit=args.commit or git_commit(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -836,9 +856,9 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                         with contextlib.suppress(Exception):
                             write_csv(args.csv, rows, env)
                 pool = None
-                tgt.close()
-                if on_gpu:
-                    torch.cuda.empty_cache()
+            tgt.close()
+            if on_gpu:
+                torch.cuda.empty_cache()
     except KeyboardInterrupt:
         prog.log("interrupted: writing what was measured")
     finally:

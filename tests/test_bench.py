@@ -140,3 +140,28 @@ def test_parser_mounts_as_subcommand():
                          "--no-refcheck", "--due", "all"])
     assert ns.backends == ["triton"] and ns.batch == [16, 64] and ns.impl == ["a.py", "b.py"]
     assert ns.refcheck is False and ns.due == ["all"]
+
+
+def test_gdn_gate(tmp_path):
+    out_csv = tmp_path / "g.csv"
+    assert bench.main(["--backends", "reference", "--gate", "gdn", "--batch", "1", "--due", "all", *TINY,
+                       "--csv", str(out_csv)]) == 0
+    (row,) = _rows(out_csv)
+    assert row["gate"] == "gdn" and row["verdict"] == "PASS", row["message"]
+    assert float(row["bound_us"]) > 0 and float(row["timer_floor_us"]) >= 0
+
+
+@pytest.mark.interpreter
+def test_triton_through_the_interpreter(tmp_path):
+    """The Triton backend on the CPU (TRITON_INTERPRET=1, set by conftest): nothing due keeps it quick; the row is
+    timed or says why not, and the run goes on either way."""
+    import os
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter tier runs on a CPU machine with TRITON_INTERPRET=1")
+    out_csv = tmp_path / "t.csv"
+    rc = bench.main(["--backends", "triton", "reference", "--batch", "1", "--due", "none", "--no-refcheck",
+                     "--interpret", *TINY, "--csv", str(out_csv)])
+    assert rc == 0
+    rows = {r["backend"]: r for r in _rows(out_csv)}
+    assert set(rows) == {"triton", "reference"}
+    assert rows["triton"]["median_us"] or rows["triton"]["verdict"].startswith(("error", "unavailable"))
