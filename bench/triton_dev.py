@@ -124,7 +124,9 @@ def check(batch: int, gate: str, seed: int) -> criterion.Verdict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256, 512])
-    ap.add_argument("--warps", nargs="+", type=int, default=[fm.FLUSH_WARPS])
+    ap.add_argument("--variants", nargs="+", default=[f"w{fm.FLUSH_WARPS}:pd{int(fm.PROJ_DOT)}"],
+                    help="kernel variants warps:proj-dot, e.g. w8:pd0 w8:pd1; the first at every batch")
+    ap.add_argument("--variant-batch", nargs="+", type=int, default=[256], help="batches of the other variants")
     ap.add_argument("--gate", nargs="+", default=["kda"])
     ap.add_argument("--due", nargs="+", default=["all", "sixteenth", "none"])
     ap.add_argument("--reps", type=int, default=15)
@@ -140,17 +142,19 @@ def main() -> None:
     print(json.dumps(env), flush=True)
     rows = []
     for gate in a.gate:
-        for warps in a.warps:
-            fm.FLUSH_WARPS = warps
+        for vi, variant in enumerate(a.variants):
+            w_, pd_ = variant.split(":")
+            warps = fm.FLUSH_WARPS = int(w_[1:])
+            fm.PROJ_DOT = pd_ == "pd1"
             fm._WORKSPACES.clear()
-            for B in a.batch:
+            for B in (a.batch if vi == 0 else a.variant_batch):
                 pool = Pool(SETS * B + 1, 32, device="cuda", gate=gate)
                 g = torch.Generator().manual_seed(B)
                 fill(pool, g)
                 q0 = lq.default_q0("cuda")
                 lq.warmup(pool, backend="triton")
                 ws = fm._WORKSPACES[pool]
-                kern = fm._flush_due.warmup(*fm._flush_args(pool, ws, q0), 1, grid=(1,), **fm._flush_meta(pool, ws))
+                kern = fm._flush_due.warmup(*fm._flush_args(pool, ws, q0, 1), grid=(1,), **fm._flush_meta(pool, ws))
                 info = dict(regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared, grid=ws.programs)
                 for mode in a.due:
                     due = set_due(pool, B, mode, g)
@@ -158,7 +162,7 @@ def main() -> None:
                     med = statistics.median(t)
                     q = statistics.quantiles(t, n=5)
                     bound = due * due_program_bytes(gate) / bw * 1e6
-                    row = dict(gate=gate, warps=warps, batch=B, due=mode, due_programs=due, median_us=med,
+                    row = dict(gate=gate, variant=variant, batch=B, due=mode, due_programs=due, median_us=med,
                                p20_us=q[0], p80_us=q[-1], bound_us=bound, ratio=med / bound if bound else None,
                                **info)
                     rows.append(row)
@@ -175,11 +179,11 @@ def main() -> None:
     with open(os.path.join(a.out, "triton_dev.json"), "w") as f:
         json.dump(dict(env=env, rows=rows, verdicts=verdicts), f, indent=1)
     print(f"\n{env['gpu']}  copy {bw / 1e12:.2f} TB/s  torch {env['torch']}  triton {env['triton']}  {commit}")
-    print("| gate | warps | batch | due | programs | median us | p20 | p80 | bound us | ratio | regs | spills | grid |")
+    print("| gate | variant | batch | due | programs | median us | p20 | p80 | bound us | ratio | regs | spills | grid |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
-        print(f"| {r['gate']} | {r['warps']} | {r['batch']} | {r['due']} | {r['due_programs']} | {r['median_us']:.1f} "
+        print(f"| {r['gate']} | {r['variant']} | {r['batch']} | {r['due']} | {r['due_programs']} | {r['median_us']:.1f} "
               f"| {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['bound_us']:.1f} | {ratio} | {r['regs']} | {r['spills']} "
               f"| {r['grid']} |")
     for v in verdicts:

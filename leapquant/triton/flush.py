@@ -17,6 +17,8 @@ lacks).
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -25,33 +27,48 @@ from ..reference import ORTH_ABS_FLOOR
 
 assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"   #: triton.jit read the same variable at decoration
+
+
+def _const(value):
+    """A global the kernels read: compiled kernels need tl.constexpr globals; the interpreter needs plain values
+    (there, constexpr arithmetic with a tensor would wrap the tensor in a constexpr)."""
+    return value if INTERPRETED else tl.constexpr(value)
+
+
 # ---- compile-time constants (named once; the kernels read these globals) -----------------------------------------
-_V: tl.constexpr = V
-_K: tl.constexpr = K
-_L: tl.constexpr = L
-_R: tl.constexpr = R
-_TOK_ROW: tl.constexpr = K + V                        # fp16 words per token row (u[r, :K] | q[r, :V])
-_QMAX: tl.constexpr = float(QMAX)
-_EPS: tl.constexpr = EPS
-_FP16_MAX: tl.constexpr = FP16_MAX
-_ORTH_FLOOR: tl.constexpr = ORTH_ABS_FLOOR
-_OFF: tl.constexpr = OFF
-_REGION_WORDS: tl.constexpr = REGION_WORDS
-_CODES_BYTE: tl.constexpr = CODES_BYTE
-_SK_WORD: tl.constexpr = SK_BYTE // 4
-_SV_WORD: tl.constexpr = SV_BYTE // 4
-_TOK_HALF: tl.constexpr = TOK_BYTE // 2
+_V = _const(V)
+_K = _const(K)
+_L = _const(L)
+_R = _const(R)
+_TOK_ROW = _const(K + V)                        # fp16 words per token row (u[r, :K] | q[r, :V])
+_QMAX = _const(float(QMAX))
+_EPS = _const(EPS)
+_FP16_MAX = _const(FP16_MAX)
+_ORTH_FLOOR = _const(ORTH_ABS_FLOOR)
+_OFF = _const(OFF)
+_REGION_WORDS = _const(REGION_WORDS)
+_CODES_BYTE = _const(CODES_BYTE)
+_SK_WORD = _const(SK_BYTE // 4)
+_SV_WORD = _const(SV_BYTE // 4)
+_TOK_HALF = _const(TOK_BYTE // 2)
 #: 1.5 * 2^23: adding and subtracting it rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (the fp32
 #: adder's own rounding); |codes| <= 127 is far inside that range
-_RINT_MAGIC: tl.constexpr = 12582912.0
+_RINT_MAGIC = _const(12582912.0)
+#: entries of the rebuild product: L window entries + R old tokens, padded to a power of two (tl.dot needs >= 16)
+_ENTRIES = _const(triton.next_power_of_2(L + R))
+#: tf32 products with hi/lo splits: about fp32 accuracy (the SPEC's measured-safe choice) on the tensor cores
+_WINDOW_PRECISION = _const("tf32x3")
+_PROJ_PRECISION = _const("tf32x3")
+_RP = _const(16)                                      #: R padded to tl.dot's smallest operand width
 
 #: (row, head) flags scanned by one program of _mark_due, and so the length of one segment of the due list
 CHUNK = 1024
 
 
 # ---- launch 1: find the due programs ------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["N", "num_slots"], do_not_specialize_on_alignment=["idx_ptr"])
-def _mark_due(idx_ptr, hcnt_ptr, due_ptr, count_ptr, N, num_slots, H: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "num_slots", "H"], do_not_specialize_on_alignment=["idx_ptr"])
+def _mark_due(idx_ptr, hcnt_ptr, due_ptr, count_ptr, N, num_slots, H, CHUNK: tl.constexpr):
     """Chunk ``c`` = program id covers flags f = c * CHUNK + [0, CHUNK) with row f // H and head f % H.
 
     idx int32 [N] (slot per row; 0, negative or >= num_slots: skip), hcnt int32 [NS, H]. Writes the due programs'
@@ -104,6 +121,19 @@ def _orthonormalize(c0, c1, c2, c3):
 
 
 @triton.jit
+def _col(M, cols, r: tl.constexpr):
+    """Column r of M [n, _RP] as a vector [n]."""
+    return tl.sum(tl.where(cols[None, :] == r, M, 0.0), 1)
+
+
+@triton.jit
+def _pad(c0, c1, c2, c3, cols):
+    """[n, _RP] with columns 0..3 = c0..c3 and zeros after (tl.dot needs 16 columns)."""
+    return (c0[:, None] * (cols == 0).to(tl.float32)[None, :] + c1[:, None] * (cols == 1).to(tl.float32)[None, :]
+            + c2[:, None] * (cols == 2).to(tl.float32)[None, :] + c3[:, None] * (cols == 3).to(tl.float32)[None, :])
+
+
+@triton.jit
 def _store_token(tok, r, U_r, Q_r, rk, rv):
     """Round column r of U (clamped to fp16's range) and of Q to fp16, store them as token row r, and return the
     rounded values in fp32 (the residual uses exactly what is stored)."""
@@ -115,9 +145,9 @@ def _store_token(tok, r, U_r, Q_r, rk, rv):
 
 
 @triton.jit
-def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, slot, head,
-               H: tl.constexpr, SS: tl.constexpr, IS_KDA: tl.constexpr):
-    """Flush program (slot, head) in place: slot, head int64 scalars."""
+def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0c0, q0c1, q0c2, q0c3,
+               slot, head, H, SS, IS_KDA: tl.constexpr, PROJ_DOT: tl.constexpr):
+    """Flush program (slot, head) in place: slot, head int64 scalars; q0c0..3 the columns of q0, fp32 [V]."""
     rv = tl.arange(0, _V)
     rk = tl.arange(0, _K)
     region = _OFF + slot * SS + head * _REGION_WORDS          # first fp32 word of the (slot, head) region
@@ -130,52 +160,78 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     ub = ubuf_ptr + prog * (_L * _V)
     wp = w_ptr + prog * _L
 
-    # ---- (1) rebuild: S = (q^T u + codes * s_k / 127 * s_v) * gate + sum_j w_j ubuf_j (outer) (kbuf_j * D_j) ----
-    S = tl.zeros([_V, _K], tl.float32)
-    for r in tl.static_range(_R):
-        u_old = tl.load(tok + r * _TOK_ROW + rk).to(tl.float32)
-        q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32)
-        S += q_old[:, None] * u_old[None, :]
+    # ---- (1) rebuild S = S_old * gate + window, every load issued up front (one memory round trip, not 40) ----
+    # The rank-4 old part and the window are one product A @ B over E = 2L "entries" (zero-padded for tl.dot):
+    #   entries e < L:         A[:, e] = ubuf[e],        B[e] = w[e] kbuf[e] D_e        (the window)
+    #   entries L <= e < L+R:  A[:, e] = q_old[e - L],   B[e] = u_old[e - L] * gate     (the old tokens, gated)
+    # so S = codes * s_k / 127 * s_v * gate + A @ B. A's values (bf16, fp16) are exact in tf32; B is split hi/lo.
+    re = tl.arange(0, _ENTRIES)
+    in_win = re < _L
+    in_tok = (re >= _L) & (re < _L + _R)
+    A = tl.load(ub + re[None, :] * _V + rv[:, None], mask=in_win[None, :], other=0.0).to(tl.float32)
+    A += tl.load(tok + (re[None, :] - _L) * _TOK_ROW + _K + rv[:, None], mask=in_tok[None, :],
+                 other=0.0).to(tl.float32)
+    keys = tl.load(kb + re[:, None] * _K + rk[None, :], mask=in_win[:, None], other=0.0).to(tl.float32)
+    keys = keys * tl.load(wp + re, mask=in_win, other=0.0)[:, None]
+    u_old = tl.load(tok + (re[:, None] - _L) * _TOK_ROW + rk[None, :], mask=in_tok[:, None], other=0.0)
     codes = tl.load(codes_p).to(tl.float32)
     s_k = tl.load(sk_p)
     s_v = tl.load(sv_p)
-    S += codes * (s_k / _QMAX)[None, :] * s_v[:, None]
     if IS_KDA:
         pcum = tl.load(gate_ptr + prog * _K + rk)
-        S = S * tl.exp(pcum)[None, :]
-        decay = tl.full([_K], 1.0, tl.float32)                 # D_j = prod_{i > j} gbuf[i], built from the last entry
+        # D_e = prod_{e < i < L} gbuf[i]: the reverse cumulative product of gbuf shifted up one entry (1 past the end)
+        g_next = tl.load(gbuf_ptr + prog * (_L * _K) + (re[:, None] + 1) * _K + rk[None, :],
+                         mask=(re + 1 < _L)[:, None], other=1.0).to(tl.float32)
+        keys = keys * tl.cumprod(g_next, 0, reverse=True)
+        gate = tl.exp(pcum)[None, :]                            # [1, K]
     else:
-        S = S * tl.load(gate_ptr + prog)
-    for i in tl.static_range(_L):
-        j = _L - 1 - i
-        keys = tl.load(kb + j * _K + rk).to(tl.float32) * tl.load(wp + j)
-        if IS_KDA:
-            keys = keys * decay
-            decay = decay * tl.load(gbuf_ptr + prog * (_L * _K) + j * _K + rk).to(tl.float32)
-        vals = tl.load(ub + j * _V + rv).to(tl.float32)
-        S += vals[:, None] * keys[None, :]
+        gate = tl.load(gate_ptr + prog)
+    B = keys + u_old.to(tl.float32) * gate
+    S = codes * (s_k / _QMAX)[None, :] * s_v[:, None] * gate
+    S = tl.dot(A, B, acc=S, input_precision=_WINDOW_PRECISION)
 
     # ---- (2) one subspace iteration from q0: P = orth(S^T q0) [K, R], Q = orth(S P) [V, R], U = S^T Q [K, R] ----
-    p0 = tl.sum(S * tl.load(q0_ptr + rv * _R + 0)[:, None], 0)
-    p1 = tl.sum(S * tl.load(q0_ptr + rv * _R + 1)[:, None], 0)
-    p2 = tl.sum(S * tl.load(q0_ptr + rv * _R + 2)[:, None], 0)
-    p3 = tl.sum(S * tl.load(q0_ptr + rv * _R + 3)[:, None], 0)
-    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3)
-    c0 = tl.sum(S * p0[None, :], 1)
-    c1 = tl.sum(S * p1[None, :], 1)
-    c2 = tl.sum(S * p2[None, :], 1)
-    c3 = tl.sum(S * p3[None, :], 1)
-    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
-
-    # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
-    u16, q16 = _store_token(tok, 0, tl.sum(S * c0[:, None], 0), c0, rk, rv)
-    E = S - q16[:, None] * u16[None, :]
-    u16, q16 = _store_token(tok, 1, tl.sum(S * c1[:, None], 0), c1, rk, rv)
-    E = E - q16[:, None] * u16[None, :]
-    u16, q16 = _store_token(tok, 2, tl.sum(S * c2[:, None], 0), c2, rk, rv)
-    E = E - q16[:, None] * u16[None, :]
-    u16, q16 = _store_token(tok, 3, tl.sum(S * c3[:, None], 0), c3, rk, rv)
-    E = E - q16[:, None] * u16[None, :]
+    if PROJ_DOT:
+        # the three products on the tensor cores (tf32 hi/lo splits), R columns zero-padded to _RP for tl.dot
+        cols = tl.arange(0, _RP)
+        Pm = tl.dot(tl.trans(S), _pad(q0c0, q0c1, q0c2, q0c3, cols), input_precision=_PROJ_PRECISION)
+        p0, p1, p2, p3 = _orthonormalize(_col(Pm, cols, 0), _col(Pm, cols, 1), _col(Pm, cols, 2), _col(Pm, cols, 3))
+        Qm = tl.dot(S, _pad(p0, p1, p2, p3, cols), input_precision=_PROJ_PRECISION)
+        c0, c1, c2, c3 = _orthonormalize(_col(Qm, cols, 0), _col(Qm, cols, 1), _col(Qm, cols, 2), _col(Qm, cols, 3))
+        Um = tl.dot(tl.trans(S), _pad(c0, c1, c2, c3, cols), input_precision=_PROJ_PRECISION)
+        # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
+        u0, q0_ = _store_token(tok, 0, _col(Um, cols, 0), c0, rk, rv)
+        u1, q1_ = _store_token(tok, 1, _col(Um, cols, 1), c1, rk, rv)
+        u2, q2_ = _store_token(tok, 2, _col(Um, cols, 2), c2, rk, rv)
+        u3, q3_ = _store_token(tok, 3, _col(Um, cols, 3), c3, rk, rv)
+        # fp16 values are exact in tf32: one pass gives exact products, accumulated in fp32
+        E = tl.dot(-_pad(q0_, q1_, q2_, q3_, cols), tl.trans(_pad(u0, u1, u2, u3, cols)), acc=S,
+                   input_precision="tf32")
+    else:
+        p0 = tl.sum(S * q0c0[:, None], 0)
+        p1 = tl.sum(S * q0c1[:, None], 0)
+        p2 = tl.sum(S * q0c2[:, None], 0)
+        p3 = tl.sum(S * q0c3[:, None], 0)
+        p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3)
+        c0 = tl.sum(S * p0[None, :], 1)
+        c1 = tl.sum(S * p1[None, :], 1)
+        c2 = tl.sum(S * p2[None, :], 1)
+        c3 = tl.sum(S * p3[None, :], 1)
+        c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
+        # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
+        # (every U column before the residual: S then dies into E in place instead of both living at once)
+        U0 = tl.sum(S * c0[:, None], 0)
+        U1 = tl.sum(S * c1[:, None], 0)
+        U2 = tl.sum(S * c2[:, None], 0)
+        U3 = tl.sum(S * c3[:, None], 0)
+        u0, q0_ = _store_token(tok, 0, U0, c0, rk, rv)
+        u1, q1_ = _store_token(tok, 1, U1, c1, rk, rv)
+        u2, q2_ = _store_token(tok, 2, U2, c2, rk, rv)
+        u3, q3_ = _store_token(tok, 3, U3, c3, rk, rv)
+        E = S - q0_[:, None] * u0[None, :]
+        E = E - q1_[:, None] * u1[None, :]
+        E = E - q2_[:, None] * u2[None, :]
+        E = E - q3_[:, None] * u3[None, :]
 
     # ---- (5) smoothing: s_k = max(sqrt(mean_v |E|), eps); x = E / s_k; s_v = max(max_k |x|, eps) ----
     s_k = tl.maximum(tl.sqrt_rn(tl.sum(tl.abs(E), 0) / _V), _EPS)
@@ -199,11 +255,19 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
         tl.store(gate_ptr + prog, 1.0)
 
 
+@triton.jit
+def _due_item(due_ptr, ends, starts, ch, t, total, CHUNK: tl.constexpr):
+    """The code (int64) of item t of the concatenated per-chunk due lists (0 when t >= total)."""
+    c = tl.sum((ends <= t).to(tl.int32), 0)        # the chunk holding item t
+    k = t - tl.sum(tl.where(ch == c, starts, 0), 0)
+    return tl.load(due_ptr + c * CHUNK + k, mask=t < total, other=0).to(tl.int64)
+
+
 # ---- launch 2: flush the due programs --------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_chunks"])
+@triton.jit(do_not_specialize=["num_chunks", "H", "SS"])
 def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, due_ptr, count_ptr,
-               num_chunks, H: tl.constexpr, SS: tl.constexpr, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
-               MAX_CHUNKS: tl.constexpr):
+               num_chunks, H, SS, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
+               MAX_CHUNKS: tl.constexpr, PROJ_DOT: tl.constexpr):
     """Persistent program ``pid`` of ``G``: flushes due items pid, pid + G, ... of the list written by _mark_due.
 
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
@@ -216,19 +280,24 @@ def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     ends = tl.cumsum(n_c, 0)                       # items in chunks 0..c
     starts = ends - n_c
     total = tl.sum(n_c, 0)
+    rv = tl.arange(0, _V)
+    q0c0 = tl.load(q0_ptr + rv * _R + 0)
+    q0c1 = tl.load(q0_ptr + rv * _R + 1)
+    q0c2 = tl.load(q0_ptr + rv * _R + 2)
+    q0c3 = tl.load(q0_ptr + rv * _R + 3)
     t = pid
+    code = _due_item(due_ptr, ends, starts, ch, t, total, CHUNK)
     while t < total:                               # (a while loop: the interpreter cannot range over tensors)
-        c = tl.sum((ends <= t).to(tl.int32), 0)    # the chunk holding item t
-        k = t - tl.sum(tl.where(ch == c, starts, 0), 0)
-        code = tl.load(due_ptr + c * CHUNK + k).to(tl.int64)
-        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
-                   code // H, code % H, H, SS, IS_KDA)
-        t += G
+        t_next = t + G
+        code_next = _due_item(due_ptr, ends, starts, ch, t_next, total, CHUNK)   # in flight during this item
+        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0c0, q0c1, q0c2, q0c3,
+                   code // H, code % H, H, SS, IS_KDA, PROJ_DOT)
+        code = code_next
+        t = t_next
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------------------
 import math  # noqa: E402  (launcher-only imports kept next to the launcher)
-import os  # noqa: E402
 import weakref  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -236,12 +305,15 @@ import torch  # noqa: E402
 
 from ..layout import Pool, slot_stride  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"   #: triton.jit read the same variable at decoration
-
 #: rows a call may carry before the workspace must grow (growing allocates: done outside graph capture only)
 MIN_ROW_CAPACITY = 1024
+#: the due list's chunk count is a compile-time size: at least 1024 rows x 64 heads, so one compilation serves
+#: every geometry up to there (heads is a run-time argument)
+MIN_CHUNKS = 64
 FLUSH_WARPS = 8          #: 8 warps: the 128 x 128 fp32 state is 64 registers per thread
 MARK_WARPS = 4
+#: the subspace products on the tensor cores (tl.dot, tf32 hi/lo) instead of broadcast-multiply + tl.sum
+PROJ_DOT = os.environ.get("LEAPQUANT_TRITON_PROJ_DOT", "0") == "1"
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
 INTERPRETER_PROGRAMS = 4
 
@@ -274,7 +346,7 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
         raise RuntimeError(f"leapquant triton flush: call leapquant.warmup(pool) (or flush once) with at least {rows} "
                            f"rows outside CUDA graph capture first: the workspace and kernels are made there")
     cap = max(rows, MIN_ROW_CAPACITY, ws.rows if ws is not None else 0)
-    max_chunks = triton.next_power_of_2(math.ceil(cap * pool.num_heads / CHUNK))
+    max_chunks = max(MIN_CHUNKS, triton.next_power_of_2(math.ceil(cap * pool.num_heads / CHUNK)))
     ws = _Workspace(rows=cap, max_chunks=max_chunks,
                     due=torch.zeros(max_chunks * CHUNK, dtype=torch.int32, device=pool.device),
                     count=torch.zeros(max_chunks, dtype=torch.int32, device=pool.device),
@@ -283,23 +355,25 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
     return ws
 
 
-def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> tuple:
+def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tuple:
+    """Positional arguments of _flush_due for a call of ``chunks`` chunks."""
     kda = pool.gate == "kda"
     gate = pool.pcum if kda else pool.p
     gbuf = pool.gbuf if kda else pool.p          # GDN: a placeholder the kernel never reads
-    return (pool.raw, ws.raw_i8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, ws.due, ws.count)
+    return (pool.raw, ws.raw_i8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, ws.due, ws.count,
+            chunks, pool.num_heads, slot_stride(pool.num_heads))
 
 
 def _flush_meta(pool: Pool, ws: _Workspace) -> dict:
-    return dict(H=pool.num_heads, SS=slot_stride(pool.num_heads), IS_KDA=pool.gate == "kda", CHUNK=CHUNK,
-                MAX_CHUNKS=ws.max_chunks, num_warps=FLUSH_WARPS, num_stages=1)
+    return dict(IS_KDA=pool.gate == "kda", CHUNK=CHUNK,
+                MAX_CHUNKS=ws.max_chunks, PROJ_DOT=PROJ_DOT, num_warps=FLUSH_WARPS, num_stages=1)
 
 
 def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> int:
     """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads)."""
     if INTERPRETED or pool.device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    kern = _flush_due.warmup(*_flush_args(pool, ws, q0), 0, grid=(1,), **_flush_meta(pool, ws))
+    kern = _flush_due.warmup(*_flush_args(pool, ws, q0, 0), grid=(1,), **_flush_meta(pool, ws))
     kern._init_handles()
     props = torch.cuda.get_device_properties(pool.device)
     threads = 32 * FLUSH_WARPS
@@ -326,10 +400,10 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
             raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
         ws.programs = _resident_programs(pool, ws, q0)
     chunks = math.ceil(N * H / CHUNK)
-    _mark_due[(chunks,)](idx, pool.hcnt, ws.due, ws.count, N, pool.num_slots, H=H, CHUNK=CHUNK,
+    _mark_due[(chunks,)](idx, pool.hcnt, ws.due, ws.count, N, pool.num_slots, H, CHUNK=CHUNK,
                          num_warps=MARK_WARPS)
     grid = (min(ws.programs, N * H),)
-    _flush_due[grid](*_flush_args(pool, ws, q0), chunks, **_flush_meta(pool, ws))
+    _flush_due[grid](*_flush_args(pool, ws, q0, chunks), **_flush_meta(pool, ws))
 
 
 def warmup(pool: Pool) -> None:
