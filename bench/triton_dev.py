@@ -1,7 +1,7 @@
 """Development timing of the Triton flush on a GPU (L2-cold, CUDA graphs, CUDA events) with a correctness check by
 the SPEC criterion in the same run.
 
-    PYTHONPATH=. python bench/triton_dev.py [--batch 16 64 256 512] [--warps 8 16] [--gate kda] [--out DIR]
+    PYTHONPATH=. python bench/triton_dev.py [--batch 16 64 256 512] [--variants w8:pd0 w8:pd1] [--gate kda] [--out DIR]
 
 Method (SPEC section 5): for each batch B a pool of 8 B + 1 slots holds eight disjoint slot sets; one CUDA graph per
 set holds one deployment call; the graphs are replayed in rotation, so no call finds its data in L2. Launches are
