@@ -550,6 +550,16 @@ class CheckData:
         return t, self._tile(self.exact, batch), tuple(self._tile(r, batch) for r in self.ref), labels
 
 
+def family_scores(verdict, labels: Sequence[Sequence[str]]) -> str:
+    """'family score, ...' (worst per-head score of each input family, worst first) of a criterion verdict."""
+    score = verdict.score.reshape(len(labels), -1)
+    worst: dict[str, float] = {}
+    for b, row in enumerate(labels):
+        for h, fam in enumerate(row):
+            worst[fam] = max(worst.get(fam, 0.0), float(score[b, h]))
+    return ", ".join(f"{f} {x:.4g}" for f, x in sorted(worst.items(), key=lambda kv: -kv[1]))
+
+
 def judge(name: str, data: CheckData, batch: int, out: Sequence) -> Any:
     from . import criterion
     _, exact, ref, labels = data.batch(batch)
@@ -912,6 +922,7 @@ def run_rows(tgt: Target, pool, gate: str, batch: int, args, device, q0, rows: l
                     torch.cuda.synchronize(device)
                 v = judge(tgt.name, data, batch, out)
                 verdict, worst, message = ("PASS" if v.passed else "FAIL"), float(v.worst_score), v.message
+                message += "; worst score per family: " + family_scores(v, data.batch(batch)[3])
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
