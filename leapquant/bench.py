@@ -35,7 +35,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 DUE_FRACTIONS = {"all": 1.0, "sixteenth": 1.0 / 16.0, "none": 0.0}
 DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
@@ -746,7 +746,6 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
     if any(b < 1 for b in batches) or args.heads < 1 or args.check_rows < 1:
         print("leapquant bench: --batch, --heads and --check-rows must be positive", file=sys.stderr)
         return EXIT_USAGE
-    repeats = args.repeats or (100 if on_gpu else 3)
     progress_quiet = args.quiet
 
     load_busy, load_desc = (None, "CPU run: wall-clock timings, not kernel times")
