@@ -6,7 +6,7 @@ Values come from torch under a seed, so a (batch, heads, gate, seed, families) t
 Families:
     window_rank1, window_rank2   empty checkpoint, one / two window entries
     zero                         all-zero state and window
-    tiny, huge                   states of ~1e-4 and ~3e2
+    tiny, tiny_decayed, huge     states of ~1e-4 (low rank, mild gates), ~3e-5 (decayed, window-dominated), ~1e2
     rank1_noise                  a strong rank-1 part over a 1e-3 noise floor
     decayed                      checkpoint decayed to nothing (KDA pcum ~ -1e4, GDN p subnormal)
     never_decay                  channels that never decay (pcum = 0, gbuf = 1; GDN p = 1)
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .layout import K, L, QMAX, R, V, Pool
 from .reference import compress, decode_checkpoint, default_q0, rebuild
 
-EDGE_FAMILIES = ("window_rank1", "window_rank2", "zero", "tiny", "huge", "rank1_noise", "decayed", "never_decay",
+EDGE_FAMILIES = ("window_rank1", "window_rank2", "zero", "tiny", "tiny_decayed", "huge", "rank1_noise", "decayed", "never_decay",
                  "hot_row", "column_outliers", "pcum_below_1000")
 FAMILIES = EDGE_FAMILIES + ("random", "kda_sim", "second_window")
 
@@ -105,7 +105,15 @@ def _family(name: str, n: int, gate: str, g: torch.Generator, q0: torch.Tensor):
     elif name == "zero":
         dense, win = torch.zeros(n, V, K), _empty_window(n, gate)
         win["w"] = torch.rand(n, L, generator=g)            # weights without keys or values: still zero
-    elif name == "tiny":                                   # mean |S| ~ 1e-4: fp16's subnormals start at 6e-5
+    elif name == "tiny":                 # mean |S| ~ 1e-4, low rank over a noise floor: fp16's subnormals start at 6e-5
+        dense = _low_rank_noise(n, g, scale=1e-4)
+        win = _window(n, gate, g, scale=1e-4)
+        if gate == "kda":                # mild gates, so the checkpoint (not the window) keeps the head at ~1e-4
+            logg = -0.01 * torch.rand(n, L, K, generator=g)
+            win.update(gbuf=torch.exp(logg).to(torch.float16), pcum=logg.sum(dim=1))
+        else:
+            win["p"] = torch.full((n,), 0.9)
+    elif name == "tiny_decayed":         # mean |S| ~ 3e-5: a 1e-4 checkpoint decayed by realistic gates, plus the window
         dense = _low_rank_noise(n, g, scale=1e-4)
         win = _window(n, gate, g, scale=5e-4)
     elif name == "huge":
