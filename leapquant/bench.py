@@ -77,9 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--rotate", type=int, default=8,
                         help="disjoint slot sets flushed in rotation, so no call finds its data in L2 (default 8, "
                              "the least allowed)")
-    parser.add_argument("--timer", choices=("graph", "eager"), default="graph",
-                        help="GPU: time the replay of a CUDA graph holding the call (the deployment form), or the "
-                             "eager call (both with CUDA events, launches queued ahead)")
+    parser.add_argument("--timer", choices=("kernel", "graph", "eager"), default="kernel",
+                        help="GPU: 'kernel' (default) = CUDA kernel time from torch.profiler: per call, first kernel "
+                             "start to last kernel end, replaying a CUDA graph of the call; 'graph' = CUDA events "
+                             "around the graph replay (includes the replay's launch overhead); 'eager' = CUDA events "
+                             "around the eager call (launches queued ahead)")
     parser.add_argument("--ref-max-batch", type=int, default=None, metavar="N",
                         help="run the reference backend only at batches <= N (it is slow)")
     parser.add_argument("--refcheck", action=argparse.BooleanOptionalAction, default=True,
@@ -505,14 +507,88 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
     return out, method
 
 
-def timer_floor(device, graph: bool) -> float:
+def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, device) -> tuple[list[float], str]:
+    """Per-call CUDA kernel time in microseconds from torch.profiler: the call is captured once per slot set in a
+    CUDA graph (eager when capture fails) and replayed ``repeats`` times in rotation, each replay preceded by a marker
+    kernel; a call's time is the span from its first kernel's start to its last kernel's end (gaps between its own
+    kernels included, host launch overhead excluded)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device(device)
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for s in range(nsets):
+            call(s)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    torch.cuda.synchronize(dev)
+    graphs: list | None = []
+    note = ""
+    try:
+        for s in range(nsets):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                call(s)
+            graphs.append(g)
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize(dev)
+    except Exception as e:
+        graphs, note = None, f" (graph capture failed: {_one_line(e, 120)}; eager calls)"
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(dev)
+    marker = torch.zeros(1, device=dev, dtype=torch.float64)     # its fill kernel separates the calls in the trace
+    MARK = "leapquant_bench_marker"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(20_000_000)                         # keep the queue ahead of the host's launches
+        for r in range(repeats):
+            with torch.profiler.record_function(MARK):
+                marker.fill_(float(r))
+            if graphs is not None:
+                graphs[r % nsets].replay()
+            else:
+                call(r % nsets)
+        marker.fill_(-1.0)
+        torch.cuda.synchronize(dev)
+    del graphs
+    evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    fill_name = None
+    out: list[float] = []
+    spans: list[list] = []
+    for e in evs:
+        name = e.name
+        if "spin" in name.lower() or "sleep" in name.lower():
+            continue
+        if fill_name is None and "fill" in name.lower():
+            fill_name = name
+        if name == fill_name and e.time_range.end - e.time_range.start < 20:
+            spans.append([])
+            continue
+        if spans:
+            spans[-1].append((e.time_range.start, e.time_range.end))
+    for sp in spans[:repeats]:
+        out.append(max(b for _, b in sp) - min(a for a, _ in sp) if sp else 0.0)
+    if len(out) < min(3, repeats):
+        raise RuntimeError(f"profiler trace held {len(out)} calls of {repeats}")
+    return out, "CUDA kernel time (torch.profiler, first kernel start to last kernel end per call, " + \
+        ("CUDA graph replay)" if not note else "eager)") + note
+
+
+def timer_floor(device, graph: bool | str) -> float:
     """Median microseconds that :func:`time_calls` reports for one tiny kernel (a graph replay of it on a GPU): the
     floor of the method, inside every reported time."""
     import torch
     dev = torch.device(device)
     x = torch.zeros(1, device=dev)
+    if dev.type == "cuda" and graph == "kernel":
+        samples, _ = time_calls_kernel(lambda s: x.add_(1.0), 8, 64, dev)
+        return _percentile(samples, 50)
     samples, _ = time_calls(lambda s: x.add_(1.0), 8, 64 if dev.type == "cuda" else 16, dev, 2.0,
-                            capture=(dev.type == "cuda" and graph))
+                            capture=(dev.type == "cuda" and graph in (True, "graph")))
     return _percentile(samples, 50)
 
 
@@ -779,7 +855,7 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
 
     versions = package_versions()
     bw, bw_how = copy_bandwidth(device)
-    floor_us = timer_floor(device, args.timer == "graph")
+    floor_us = timer_floor(device, args.timer)
     env: dict[str, Any] = dict(
         device=leapquant.device_description(device).split(" (")[0] if on_gpu else leapquant.device_description(device),
         device_long=leapquant.device_description(device),
@@ -791,11 +867,16 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         rotate=args.rotate, load=load_desc,
         command="leapquant bench " + " ".join(shlex.quote(a) for a in _argv(argv)),
-        timing_long=("per call, CUDA events around the replay of a CUDA graph holding one flush_inplace call "
-                     "(launches queued behind a sleep kernel); backends that cannot be captured: events around the "
-                     "eager call (the row's `timing` column in the CSV says which)" if on_gpu else
+        timing_long=({"kernel": "CUDA kernel time from torch.profiler: per call, first kernel start to last kernel "
+                                "end, replaying a CUDA graph of one flush_inplace call (markers between calls); the "
+                                "reference (host-synchronising) with CUDA events around the eager call",
+                      "graph": "per call, CUDA events around the replay of a CUDA graph holding one flush_inplace "
+                               "call (launches queued behind a sleep kernel; includes the replay's launch overhead)",
+                      "eager": "per call, CUDA events around the eager call (launches queued behind a sleep kernel)",
+                      }[args.timer] + " (the row's `timing` column in the CSV says which)" if on_gpu else
                      "wall-clock per call on the CPU (not kernel times)"),
-        timing_short="CUDA-graph replay, events" if on_gpu else "CPU wall-clock",
+        timing_short={"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay, events",
+                      "eager": "eager, events"}[args.timer] if on_gpu else "CPU wall-clock",
         check_long=(f"SPEC section 3 criterion (leapquant.criterion.judge) on every family of leapquant.families: "
                     f"{args.check_rows} distinct rows x {args.heads} heads per gate (seed {args.seed}) tiled to the "
                     f"batch, run through the same pool and deployment call as the timing; `worst ratio` is the "
@@ -947,11 +1028,15 @@ def run_rows(tgt: Target, pool, gate: str, batch: int, args, device, q0, rows: l
                 pool.hcnt[sets[s]] = pattern[s]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            samples, method = time_calls(lambda s: tgt.flush(pool, idx[s], q0), nsets, args.repeats or
-                                         (100 if device.type == "cuda" else 3), device, args.max_seconds,
-                                         capture=(device.type == "cuda" and tgt.name != "reference"
-                                                  and args.timer == "graph"),
-                                         host_sync=(tgt.name == "reference"))
+            nrep = args.repeats or (100 if device.type == "cuda" else 3)
+            if device.type == "cuda" and tgt.name != "reference" and args.timer == "kernel":
+                samples, method = time_calls_kernel(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device)
+            else:
+                samples, method = time_calls(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device,
+                                             args.max_seconds,
+                                             capture=(device.type == "cuda" and tgt.name != "reference"
+                                                      and args.timer == "graph"),
+                                             host_sync=(tgt.name == "reference"))
             row.due_programs = ndue
             row.median_us, row.p20_us, row.p80_us = (_percentile(samples, 50), _percentile(samples, 20),
                                                      _percentile(samples, 80))
