@@ -1,7 +1,7 @@
 """Development timing of the Triton flush on a GPU (L2-cold, CUDA graphs, CUDA events) with a correctness check by
 the SPEC criterion in the same run.
 
-    PYTHONPATH=. python bench/triton_dev.py [--batch 16 64 256 512] [--variants w8:pd0 w8:pd1] [--gate kda] [--out DIR]
+    PYTHONPATH=. python bench/triton_dev.py [--batch 16 64 256 512] [--variants w8:a0 w8:a1] [--gate kda] [--out DIR]
 
 Method (SPEC section 5): for each batch B a pool of 8 B + 1 slots holds eight disjoint slot sets; one CUDA graph per
 set holds one deployment call; the graphs are replayed in rotation, so no call finds its data in L2. Launches are
@@ -124,8 +124,8 @@ def check(batch: int, gate: str, seed: int) -> criterion.Verdict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256, 512])
-    ap.add_argument("--variants", nargs="+", default=[f"w{fm.FLUSH_WARPS}:pd{int(fm.PROJ_DOT)}"],
-                    help="kernel variants warps:proj-dot, e.g. w8:pd0 w8:pd1; the first at every batch")
+    ap.add_argument("--variants", nargs="+", default=[f"w{fm.FLUSH_WARPS}:a{int(fm.ALIGN_HINTS)}"],
+                    help="kernel variants warps:align-hints, e.g. w8:a0 w8:a1 w16:a0; the first at every batch")
     ap.add_argument("--variant-batch", nargs="+", type=int, default=[256], help="batches of the other variants")
     ap.add_argument("--gate", nargs="+", default=["kda"])
     ap.add_argument("--due", nargs="+", default=["all", "sixteenth", "none"])
@@ -133,7 +133,9 @@ def main() -> None:
     ap.add_argument("--check", nargs="*", type=int, default=[64, 256], help="batches judged by the criterion")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # the device machine gets the working tree without .git: pass the hash in LEAPQUANT_COMMIT there
+    commit = os.environ.get("LEAPQUANT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__,
@@ -143,9 +145,9 @@ def main() -> None:
     rows = []
     for gate in a.gate:
         for vi, variant in enumerate(a.variants):
-            w_, pd_ = variant.split(":")
+            w_, a_ = variant.split(":")
             warps = fm.FLUSH_WARPS = int(w_[1:])
-            fm.PROJ_DOT = pd_ == "pd1"
+            fm.ALIGN_HINTS = a_ == "a1"
             fm._WORKSPACES.clear()
             for B in (a.batch if vi == 0 else a.variant_batch):
                 pool = Pool(SETS * B + 1, 32, device="cuda", gate=gate)

@@ -168,6 +168,29 @@ def test_skipped_rows_change_nothing(gate):
     assert_flush_footprint(pool, before, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
 
 
+@pytest.mark.parametrize("heads", [1, 64])
+def test_due_list_spans_chunks(heads):
+    """Rows x heads beyond one chunk of the due scan (and 1 head): a few due programs scattered over every chunk
+    are each flushed once; everything else stays untouched."""
+    from leapquant.triton.flush import CHUNK
+    rows = CHUNK // heads + 3                                 # two chunks (or more with one head)
+    pool = Pool(rows + 2, heads, device=DEVICE, gate="gdn")
+    fill_noise(pool, seed=heads)
+    pool.hcnt.fill_(L - 1)
+    g = torch.Generator().manual_seed(heads)
+    idx = (torch.randperm(rows + 1, generator=g)[:rows] + 1).to(torch.int32)
+    idx[:3] = 0                                               # skipped rows
+    picks = [(int(idx[3]), 0), (int(idx[rows // 2]), heads - 1), (int(idx[-1]), heads // 2)]
+    for s_, h_ in picks:
+        pool.hcnt[s_, h_] = L
+    idx = idx.to(DEVICE)
+    slots, hs = _due_programs(pool, idx)
+    assert len(slots) == 3
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
+    assert_flush_footprint(pool, before, slots, hs)
+
+
 def test_second_call_keeps_state():
     """hcnt stays L after a flush, so a second call flushes the same programs with empty windows: the decoded state
     barely moves (one more re-compression)."""

@@ -17,10 +17,12 @@ lacks).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V)
 from ..reference import ORTH_ABS_FLOOR
@@ -55,12 +57,8 @@ _TOK_HALF = _const(TOK_BYTE // 2)
 #: 1.5 * 2^23: adding and subtracting it rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (the fp32
 #: adder's own rounding); |codes| <= 127 is far inside that range
 _RINT_MAGIC = _const(12582912.0)
-#: entries of the rebuild product: L window entries + R old tokens, padded to a power of two (tl.dot needs >= 16)
-_ENTRIES = _const(triton.next_power_of_2(L + R))
-#: tf32 products with hi/lo splits: about fp32 accuracy (the SPEC's measured-safe choice) on the tensor cores
-_WINDOW_PRECISION = _const("tf32x3")
-_PROJ_PRECISION = _const("tf32x3")
-_RP = _const(16)                                      #: R padded to tl.dot's smallest operand width
+#: every region starts on a multiple of this many fp32 words (OFF, the slot stride and the region size are)
+_ALIGN = _const(math.gcd(OFF, REGION_WORDS))
 
 #: (row, head) flags scanned by one program of _mark_due, and so the length of one segment of the due list
 CHUNK = 1024
@@ -120,17 +118,16 @@ def _orthonormalize(c0, c1, c2, c3):
     return c0, c1, c2, c3
 
 
-@triton.jit
-def _col(M, cols, r: tl.constexpr):
-    """Column r of M [n, _RP] as a vector [n]."""
-    return tl.sum(tl.where(cols[None, :] == r, M, 0.0), 1)
-
-
-@triton.jit
-def _pad(c0, c1, c2, c3, cols):
-    """[n, _RP] with columns 0..3 = c0..c3 and zeros after (tl.dot needs 16 columns)."""
-    return (c0[:, None] * (cols == 0).to(tl.float32)[None, :] + c1[:, None] * (cols == 1).to(tl.float32)[None, :]
-            + c2[:, None] * (cols == 2).to(tl.float32)[None, :] + c3[:, None] * (cols == 3).to(tl.float32)[None, :])
+if INTERPRETED:
+    @triton.jit
+    def _rint(y):
+        """Round to nearest, ties to even, in fp32 arithmetic (the interpreter has no libdevice)."""
+        return (y + _RINT_MAGIC) - _RINT_MAGIC
+else:
+    @triton.jit
+    def _rint(y):
+        """Round to nearest, ties to even: one cvt.rni (FRND) per element."""
+        return libdevice.rint(y)
 
 
 @triton.jit
@@ -145,93 +142,92 @@ def _store_token(tok, r, U_r, Q_r, rk, rv):
 
 
 @triton.jit
-def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0c0, q0c1, q0c2, q0c3,
-               slot, head, H, SS, IS_KDA: tl.constexpr, PROJ_DOT: tl.constexpr):
-    """Flush program (slot, head) in place: slot, head int64 scalars; q0c0..3 the columns of q0, fp32 [V]."""
+def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
+               slot, head, H, SS, IS_KDA: tl.constexpr, ALIGN: tl.constexpr):
+    """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]."""
     rv = tl.arange(0, _V)
     rk = tl.arange(0, _K)
-    region = _OFF + slot * SS + head * _REGION_WORDS          # first fp32 word of the (slot, head) region
+    # first fp32 word of the (slot, head) region, and the row of the dense window tensors. The alignment hints
+    # (OFF, SS and the region size are multiples of _ALIGN words) let loads and stores use 16-byte vectors.
+    region = _OFF + slot * SS + head * _REGION_WORDS
+    prog = slot * H + head
+    if ALIGN:
+        region = tl.multiple_of(region, _ALIGN)
+        kb = kbuf_ptr + tl.multiple_of(prog * (_L * _K), _L * _K)
+        ub = ubuf_ptr + tl.multiple_of(prog * (_L * _V), _L * _V)
+        wp = w_ptr + tl.multiple_of(prog * _L, _L)
+        gb = gbuf_ptr + tl.multiple_of(prog * (_L * _K), _L * _K)
+        gp = gate_ptr + tl.multiple_of(prog * _K, _K)          # pcum row (KDA)
+    else:
+        kb = kbuf_ptr + prog * (_L * _K)
+        ub = ubuf_ptr + prog * (_L * _V)
+        wp = w_ptr + prog * _L
+        gb = gbuf_ptr + prog * (_L * _K)
+        gp = gate_ptr + prog * _K
     codes_p = raw_i8 + region * 4 + _CODES_BYTE + rv[:, None] * _K + rk[None, :]
     sk_p = raw_f32 + region + _SK_WORD + rk
     sv_p = raw_f32 + region + _SV_WORD + rv
     tok = raw_f16 + region * 2 + _TOK_HALF
-    prog = slot * H + head                                     # row of the dense window tensors
-    kb = kbuf_ptr + prog * (_L * _K)
-    ub = ubuf_ptr + prog * (_L * _V)
-    wp = w_ptr + prog * _L
 
-    # ---- (1) rebuild S = S_old * gate + window, every load issued up front (one memory round trip, not 40) ----
-    # The rank-4 old part and the window are one product A @ B over E = 2L "entries" (zero-padded for tl.dot):
-    #   entries e < L:         A[:, e] = ubuf[e],        B[e] = w[e] kbuf[e] D_e        (the window)
-    #   entries L <= e < L+R:  A[:, e] = q_old[e - L],   B[e] = u_old[e - L] * gate     (the old tokens, gated)
-    # so S = codes * s_k / 127 * s_v * gate + A @ B. A's values (bf16, fp16) are exact in tf32; B is split hi/lo.
-    re = tl.arange(0, _ENTRIES)
-    in_win = re < _L
-    in_tok = (re >= _L) & (re < _L + _R)
-    A = tl.load(ub + re[None, :] * _V + rv[:, None], mask=in_win[None, :], other=0.0).to(tl.float32)
-    A += tl.load(tok + (re[None, :] - _L) * _TOK_ROW + _K + rv[:, None], mask=in_tok[None, :],
-                 other=0.0).to(tl.float32)
-    keys = tl.load(kb + re[:, None] * _K + rk[None, :], mask=in_win[:, None], other=0.0).to(tl.float32)
-    keys = keys * tl.load(wp + re, mask=in_win, other=0.0)[:, None]
-    u_old = tl.load(tok + (re[:, None] - _L) * _TOK_ROW + rk[None, :], mask=in_tok[:, None], other=0.0)
-    codes = tl.load(codes_p).to(tl.float32)
+    # ---- (1) rebuild: S = (q^T u + codes * s_k / 127 * s_v) * gate + sum_j w_j ubuf_j (outer) (kbuf_j * D_j) ----
+    # (broadcast FMAs keep S in a blocked layout whose column sums stay inside each thread; a tl.dot here moved S
+    #  to the MMA layout and made every later reduction dearer: measured 17 % slower, bench/notes/triton.md.
+    #  The gate is folded into the column factors (KDA) or the row factors (GDN): one multiply per element less.)
+    codes = tl.load(codes_p)
     s_k = tl.load(sk_p)
     s_v = tl.load(sv_p)
     if IS_KDA:
-        pcum = tl.load(gate_ptr + prog * _K + rk)
-        # D_e = prod_{e < i < L} gbuf[i]: the reverse cumulative product of gbuf shifted up one entry (1 past the end)
-        g_next = tl.load(gbuf_ptr + prog * (_L * _K) + (re[:, None] + 1) * _K + rk[None, :],
-                         mask=(re + 1 < _L)[:, None], other=1.0).to(tl.float32)
-        keys = keys * tl.cumprod(g_next, 0, reverse=True)
-        gate = tl.exp(pcum)[None, :]                            # [1, K]
+        gate = tl.exp(tl.load(gp + rk))                         # [K]
+        col = s_k / _QMAX * gate
+        row = s_v
+        decay = tl.full([_K], 1.0, tl.float32)                 # D_j = prod_{i > j} gbuf[i], built from the last entry
     else:
-        gate = tl.load(gate_ptr + prog)
-    B = keys + u_old.to(tl.float32) * gate
-    S = codes * (s_k / _QMAX)[None, :] * s_v[:, None] * gate
-    S = tl.dot(A, B, acc=S, input_precision=_WINDOW_PRECISION)
+        gate = tl.load(gate_ptr + prog)                         # scalar p
+        col = s_k / _QMAX
+        row = s_v * gate
+    S = codes.to(tl.float32) * col[None, :] * row[:, None]
+    for r in tl.static_range(_R):
+        u_old = tl.load(tok + r * _TOK_ROW + rk).to(tl.float32) * gate
+        q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32)
+        S += q_old[:, None] * u_old[None, :]
+    for i in tl.static_range(_L):
+        j = _L - 1 - i
+        keys = tl.load(kb + j * _K + rk).to(tl.float32) * tl.load(wp + j)
+        if IS_KDA:
+            keys = keys * decay
+            decay = decay * tl.load(gb + j * _K + rk).to(tl.float32)
+        S += tl.load(ub + j * _V + rv).to(tl.float32)[:, None] * keys[None, :]
 
     # ---- (2) one subspace iteration from q0: P = orth(S^T q0) [K, R], Q = orth(S P) [V, R], U = S^T Q [K, R] ----
-    if PROJ_DOT:
-        # the three products on the tensor cores (tf32 hi/lo splits), R columns zero-padded to _RP for tl.dot
-        cols = tl.arange(0, _RP)
-        Pm = tl.dot(tl.trans(S), _pad(q0c0, q0c1, q0c2, q0c3, cols), input_precision=_PROJ_PRECISION)
-        p0, p1, p2, p3 = _orthonormalize(_col(Pm, cols, 0), _col(Pm, cols, 1), _col(Pm, cols, 2), _col(Pm, cols, 3))
-        Qm = tl.dot(S, _pad(p0, p1, p2, p3, cols), input_precision=_PROJ_PRECISION)
-        c0, c1, c2, c3 = _orthonormalize(_col(Qm, cols, 0), _col(Qm, cols, 1), _col(Qm, cols, 2), _col(Qm, cols, 3))
-        Um = tl.dot(tl.trans(S), _pad(c0, c1, c2, c3, cols), input_precision=_PROJ_PRECISION)
-        # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
-        u0, q0_ = _store_token(tok, 0, _col(Um, cols, 0), c0, rk, rv)
-        u1, q1_ = _store_token(tok, 1, _col(Um, cols, 1), c1, rk, rv)
-        u2, q2_ = _store_token(tok, 2, _col(Um, cols, 2), c2, rk, rv)
-        u3, q3_ = _store_token(tok, 3, _col(Um, cols, 3), c3, rk, rv)
-        # fp16 values are exact in tf32: one pass gives exact products, accumulated in fp32
-        E = tl.dot(-_pad(q0_, q1_, q2_, q3_, cols), tl.trans(_pad(u0, u1, u2, u3, cols)), acc=S,
-                   input_precision="tf32")
-    else:
-        p0 = tl.sum(S * q0c0[:, None], 0)
-        p1 = tl.sum(S * q0c1[:, None], 0)
-        p2 = tl.sum(S * q0c2[:, None], 0)
-        p3 = tl.sum(S * q0c3[:, None], 0)
-        p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3)
-        c0 = tl.sum(S * p0[None, :], 1)
-        c1 = tl.sum(S * p1[None, :], 1)
-        c2 = tl.sum(S * p2[None, :], 1)
-        c3 = tl.sum(S * p3[None, :], 1)
-        c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
-        # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
-        # (every U column before the residual: S then dies into E in place instead of both living at once)
-        U0 = tl.sum(S * c0[:, None], 0)
-        U1 = tl.sum(S * c1[:, None], 0)
-        U2 = tl.sum(S * c2[:, None], 0)
-        U3 = tl.sum(S * c3[:, None], 0)
-        u0, q0_ = _store_token(tok, 0, U0, c0, rk, rv)
-        u1, q1_ = _store_token(tok, 1, U1, c1, rk, rv)
-        u2, q2_ = _store_token(tok, 2, U2, c2, rk, rv)
-        u3, q3_ = _store_token(tok, 3, U3, c3, rk, rv)
-        E = S - q0_[:, None] * u0[None, :]
-        E = E - q1_[:, None] * u1[None, :]
-        E = E - q2_[:, None] * u2[None, :]
-        E = E - q3_[:, None] * u3[None, :]
+    # (q0's columns are re-read per item from L1/L2: held across the item loop they cost 4 row vectors of registers)
+    q0c0 = tl.load(q0_ptr + rv * _R + 0)
+    q0c1 = tl.load(q0_ptr + rv * _R + 1)
+    q0c2 = tl.load(q0_ptr + rv * _R + 2)
+    q0c3 = tl.load(q0_ptr + rv * _R + 3)
+    p0 = tl.sum(S * q0c0[:, None], 0)
+    p1 = tl.sum(S * q0c1[:, None], 0)
+    p2 = tl.sum(S * q0c2[:, None], 0)
+    p3 = tl.sum(S * q0c3[:, None], 0)
+    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3)
+    c0 = tl.sum(S * p0[None, :], 1)
+    c1 = tl.sum(S * p1[None, :], 1)
+    c2 = tl.sum(S * p2[None, :], 1)
+    c3 = tl.sum(S * p3[None, :], 1)
+    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
+    # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
+    # (every U column before the residual: S then dies into E in place instead of both living at once)
+    U0 = tl.sum(S * c0[:, None], 0)
+    U1 = tl.sum(S * c1[:, None], 0)
+    U2 = tl.sum(S * c2[:, None], 0)
+    U3 = tl.sum(S * c3[:, None], 0)
+    u0, q0_ = _store_token(tok, 0, U0, c0, rk, rv)
+    u1, q1_ = _store_token(tok, 1, U1, c1, rk, rv)
+    u2, q2_ = _store_token(tok, 2, U2, c2, rk, rv)
+    u3, q3_ = _store_token(tok, 3, U3, c3, rk, rv)
+    E = S - q0_[:, None] * u0[None, :]
+    E = E - q1_[:, None] * u1[None, :]
+    E = E - q2_[:, None] * u2[None, :]
+    E = E - q3_[:, None] * u3[None, :]
 
     # ---- (5) smoothing: s_k = max(sqrt(mean_v |E|), eps); x = E / s_k; s_v = max(max_k |x|, eps) ----
     s_k = tl.maximum(tl.sqrt_rn(tl.sum(tl.abs(E), 0) / _V), _EPS)
@@ -240,17 +236,17 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     tl.store(sk_p, s_k)
     tl.store(sv_p, s_v)
 
-    # ---- (6) codes = round_half_even(127 x / s_v), clamped to [-127, 127] ----
-    y = x * (_QMAX / s_v)[:, None]
-    y = (y + _RINT_MAGIC) - _RINT_MAGIC
-    tl.store(codes_p, tl.minimum(tl.maximum(y, -_QMAX), _QMAX).to(tl.int8))
+    # ---- (6) codes = round_half_even(127 x / s_v) ----
+    # |x| <= s_v by construction, so |y| <= 127 (1 + a few ulp) rounds into [-127, 127]: no clamp needed
+    y = _rint(x * (_QMAX / s_v)[:, None])
+    tl.store(codes_p, y.to(tl.int8))
 
     # ---- (7) window reset (hcnt stays L: "flushed, empty") ----
     tl.store(wp + tl.arange(0, _L), tl.zeros([_L], tl.float32))
     if IS_KDA:
-        tl.store(gate_ptr + prog * _K + rk, tl.zeros([_K], tl.float32))
+        tl.store(gp + rk, tl.zeros([_K], tl.float32))
         rl = tl.arange(0, _L)
-        tl.store(gbuf_ptr + prog * (_L * _K) + rl[:, None] * _K + rk[None, :], tl.full([_L, _K], 1.0, tl.float16))
+        tl.store(gb + rl[:, None] * _K + rk[None, :], tl.full([_L, _K], 1.0, tl.float16))
     else:
         tl.store(gate_ptr + prog, 1.0)
 
@@ -267,7 +263,7 @@ def _due_item(due_ptr, ends, starts, ch, t, total, CHUNK: tl.constexpr):
 @triton.jit(do_not_specialize=["num_chunks", "H", "SS"])
 def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, due_ptr, count_ptr,
                num_chunks, H, SS, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
-               MAX_CHUNKS: tl.constexpr, PROJ_DOT: tl.constexpr):
+               MAX_CHUNKS: tl.constexpr, ALIGN: tl.constexpr):
     """Persistent program ``pid`` of ``G``: flushes due items pid, pid + G, ... of the list written by _mark_due.
 
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
@@ -280,24 +276,18 @@ def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     ends = tl.cumsum(n_c, 0)                       # items in chunks 0..c
     starts = ends - n_c
     total = tl.sum(n_c, 0)
-    rv = tl.arange(0, _V)
-    q0c0 = tl.load(q0_ptr + rv * _R + 0)
-    q0c1 = tl.load(q0_ptr + rv * _R + 1)
-    q0c2 = tl.load(q0_ptr + rv * _R + 2)
-    q0c3 = tl.load(q0_ptr + rv * _R + 3)
     t = pid
     code = _due_item(due_ptr, ends, starts, ch, t, total, CHUNK)
     while t < total:                               # (a while loop: the interpreter cannot range over tensors)
         t_next = t + G
         code_next = _due_item(due_ptr, ends, starts, ch, t_next, total, CHUNK)   # in flight during this item
-        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0c0, q0c1, q0c2, q0c3,
-                   code // H, code % H, H, SS, IS_KDA, PROJ_DOT)
+        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
+                   code // H, code % H, H, SS, IS_KDA, ALIGN)
         code = code_next
         t = t_next
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------------------
-import math  # noqa: E402  (launcher-only imports kept next to the launcher)
 import weakref  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -312,8 +302,9 @@ MIN_ROW_CAPACITY = 1024
 MIN_CHUNKS = 64
 FLUSH_WARPS = 8          #: 8 warps: the 128 x 128 fp32 state is 64 registers per thread
 MARK_WARPS = 4
-#: the subspace products on the tensor cores (tl.dot, tf32 hi/lo) instead of broadcast-multiply + tl.sum
-PROJ_DOT = os.environ.get("LEAPQUANT_TRITON_PROJ_DOT", "0") == "1"
+#: alignment hints on the region and window offsets (16-byte vector loads; they also change the register layout
+#: Triton picks for the state: see bench/notes/triton.md)
+ALIGN_HINTS = os.environ.get("LEAPQUANT_TRITON_ALIGN", "0") == "1"
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
 INTERPRETER_PROGRAMS = 4
 
@@ -366,7 +357,7 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tu
 
 def _flush_meta(pool: Pool, ws: _Workspace) -> dict:
     return dict(IS_KDA=pool.gate == "kda", CHUNK=CHUNK,
-                MAX_CHUNKS=ws.max_chunks, PROJ_DOT=PROJ_DOT, num_warps=FLUSH_WARPS, num_stages=1)
+                MAX_CHUNKS=ws.max_chunks, ALIGN=ALIGN_HINTS, num_warps=FLUSH_WARPS, num_stages=1)
 
 
 def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> int:
