@@ -201,7 +201,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for c in T.vectorized(2):
                 cw[i * 2 + c] = raw32[base + (row0 + i) * CODE_WORDS_PER_ROW + col0 // 4 + c]
         if t < K:                                   # thread per key column
-            sko_s[g, t] = rawf[base + SK_WORD + t]
+            sko_s[g, t] = rawf[base + SK_WORD + t] / QMAXF     # s_k / 127, the dequantisation step of the column
             gk = T.alloc_local((1,), F32)
             if KDA:
                 gk[0] = T.exp(pcum[slot, head, t])
@@ -244,14 +244,14 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         colv = T.alloc_local((TILE,), F32)
         rowv = T.alloc_local((TILE,), F32)
         for j in T.unroll(TILE):
-            colv[j] = sko_s[g, col0 + j] / QMAXF
+            colv[j] = sko_s[g, col0 + j]
         for i in T.unroll(TILE):
             sv = svo_s[g, row0 + i]
             for j in T.unroll(TILE):
                 word = cw[i * 2 + j // 4]
                 code = (word << (24 - 8 * (j % 4))) >> 24          # sign-extended byte j % 4 of the word
                 S[i * TILE + j] = T.cast(code, F32) * colv[j] * sv
-        for r in T.unroll(R):
+        for r in T.serial(R):
             for i in T.vectorized(TILE):
                 rowv[i] = qo_s[g, r, row0 + i]
             for j in T.vectorized(TILE):
@@ -264,7 +264,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         for i in T.unroll(TILE):
             for j in T.unroll(TILE):
                 S[i * TILE + j] = S[i * TILE + j] * colv[j]
-        for jw in T.unroll(L):
+        for jw in T.serial(L):
             for i in T.vectorized(TILE):
                 rowv[i] = ub_s[g, jw, row0 + i]
             for j in T.vectorized(TILE):
@@ -314,7 +314,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         part = T.alloc_local((R,), F32)
         for r in T.unroll(R):
             out4[r] = 0.0
-        for pl in T.unroll(TILES_PER_SIDE):
+        for pl in T.unroll(TILES_PER_SIDE):       # unrolled: the 16 loads are in flight together
             for r in T.vectorized(R):
                 part[r] = red_s[g, swizzled(pl, o), r]
             for r in T.unroll(R):
@@ -323,23 +323,15 @@ def flush_phases(cfg: FlushConfig) -> Phases:
     @T.macro
     def orthonormalise(x_s, g, lane):
         """Orthonormal columns spanning x_s[g] (128 x R), in place, by one warp (4 rows per lane): classical
-        Gram-Schmidt with the projections applied twice; a column with nothing left becomes zero. The block is first
-        scaled to unit max-abs (the result does not depend on its scale; the sums of squares then stay in range)."""
+        Gram-Schmidt with the projections applied twice (the dot products of one pass batched in one butterfly
+        reduction); a column whose norm is <= ORTH_ABS_FLOOR becomes zero. Norms are sqrt(sum of squares) in fp32,
+        as the reference's."""
         RPL = V // WARP
         x = T.alloc_local((RPL * R,), F32)
         red = T.alloc_local((R,), F32)
         for i in T.unroll(RPL):
             for r in T.vectorized(R):
                 x[i * R + r] = x_s[g, lane + WARP * i, r]
-        red[0] = 0.0
-        for e in T.unroll(RPL * R):
-            red[0] = T.max(red[0], T.abs(x[e]))
-        for s in T.unroll(5):
-            red[0] = T.max(red[0], T.shfl_xor(red[0], 16 >> s))
-        if red[0] > 0.0:
-            red[1] = 1.0 / red[0]
-            for e in T.unroll(RPL * R):
-                x[e] = x[e] * red[1]
         for col in T.unroll(R):
             for _rep in T.unroll(2):
                 for prev in T.unroll(R):
@@ -361,8 +353,9 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for s in T.unroll(5):
                 red[0] = red[0] + T.shfl_xor(red[0], 16 >> s)
             red[0] = T.sqrt(red[0])
+            red[1] = T.if_then_else(red[0] > ORTH_ABS_FLOOR, 1.0 / red[0], 0.0)
             for i in T.unroll(RPL):
-                x[i * R + col] = T.if_then_else(red[0] > ORTH_ABS_FLOOR, x[i * R + col] / red[0], 0.0)
+                x[i * R + col] = x[i * R + col] * red[1]
         for i in T.unroll(RPL):
             for r in T.vectorized(R):
                 x_s[g, lane + WARP * i, r] = x[i * R + r]
@@ -390,7 +383,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         """E = S - q^T u with the fp16-rounded tokens, in place, fp32."""
         rowv = T.alloc_local((TILE,), F32)
         colv = T.alloc_local((TILE,), F32)
-        for r in T.unroll(R):
+        for r in T.serial(R):
             for i in T.vectorized(TILE):
                 rowv[i] = qh_s[g, r, row0 + i]
             for j in T.vectorized(TILE):
@@ -401,7 +394,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
 
     @T.macro
     def column_scales(S, rawf, base, t, g, tr, row0, col0, flat_s, skn_s, bar):
-        """s_k = max(sqrt(mean_v |E|), EPS) to the pool and shared memory; then E / s_k in place."""
+        """s_k = max(sqrt(mean_v |E|), EPS) to the pool, 1 / s_k to shared memory; then E / s_k in place (as a
+        product with the reciprocal: an IEEE division per element costs more than the rest of the phase)."""
         part = T.alloc_local((TILE,), F32)
         for j in T.unroll(TILE):
             part[j] = 0.0
@@ -417,13 +411,13 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 tot[0] = tot[0] + flat_s[g, pl * K + t]
             sk = T.max(T.sqrt(tot[0] / V), EPS)
             rawf[base + SK_WORD + t] = sk
-            skn_s[g, t] = sk
+            skn_s[g, t] = 1.0 / sk                  # one division per column; the elements are multiplied
         T.sync_threads(bar, GROUP_THREADS)
         for j in T.vectorized(TILE):
             part[j] = skn_s[g, col0 + j]
         for i in T.unroll(TILE):
             for j in T.unroll(TILE):
-                S[i * TILE + j] = S[i * TILE + j] / part[j]
+                S[i * TILE + j] = S[i * TILE + j] * part[j]
 
     @T.macro
     def row_scales(S, rawf, base, t, g, tc, row0, flat_s, rsv_s, bar):
