@@ -12,19 +12,23 @@ rebuild the state S [V, K], one subspace iteration from q0 (P = orth(S^T q0), Q 
 residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window reset.
 
 Both kernels run unchanged under ``TRITON_INTERPRET=1`` (the CPU test tier): bf16/fp16 values are converted to fp32
-right after each load, and rounding to nearest even uses fp32 arithmetic instead of libdevice (which the interpreter
-lacks).
+right after each load, and there rounding to nearest even uses fp32 arithmetic instead of libdevice's rint (which the
+interpreter lacks).
 """
 from __future__ import annotations
 
 import math
 import os
+import weakref
+from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V)
+from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V,
+                      Pool, slot_stride)
 from ..reference import ORTH_ABS_FLOOR
 
 assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
@@ -260,7 +264,7 @@ def _due_item(due_ptr, ends, starts, ch, t, total, CHUNK: tl.constexpr):
 
 
 # ---- launch 2: flush the due programs --------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_chunks", "H", "SS"])
+@triton.jit(do_not_specialize=["num_chunks", "H", "SS"], do_not_specialize_on_alignment=["q0_ptr"])
 def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, due_ptr, count_ptr,
                num_chunks, H, SS, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
                MAX_CHUNKS: tl.constexpr, ALIGN: tl.constexpr):
@@ -288,13 +292,6 @@ def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------------------
-import weakref  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import torch  # noqa: E402
-
-from ..layout import Pool, slot_stride  # noqa: E402
-
 #: rows a call may carry before the workspace must grow (growing allocates: done outside graph capture only)
 MIN_ROW_CAPACITY = 1024
 #: the due list's chunk count is a compile-time size: at least 1024 rows x 64 heads, so one compilation serves
@@ -365,15 +362,17 @@ def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> int:
     if INTERPRETED or pool.device.type != "cuda":
         return INTERPRETER_PROGRAMS
     kern = _flush_due.warmup(*_flush_args(pool, ws, q0, 0), grid=(1,), **_flush_meta(pool, ws))
-    kern._init_handles()
     props = torch.cuda.get_device_properties(pool.device)
-    threads = 32 * FLUSH_WARPS
-    regs = max(kern.n_regs, 1)
-    by_regs = props.regs_per_multiprocessor // (regs * threads)
-    smem = kern.metadata.shared
-    by_smem = props.shared_memory_per_multiprocessor // smem if smem else by_regs
-    by_threads = props.max_threads_per_multi_processor // threads
-    per_sm = max(1, min(by_regs, by_smem, by_threads))
+    try:
+        kern._init_handles()                   # loads the module and fills n_regs (Triton 3.x)
+        threads = 32 * FLUSH_WARPS
+        by_regs = props.regs_per_multiprocessor // (max(kern.n_regs, 1) * threads)
+        smem = kern.metadata.shared
+        by_smem = props.shared_memory_per_multiprocessor // smem if smem else by_regs
+        by_threads = props.max_threads_per_multi_processor // threads
+        per_sm = max(1, min(by_regs, by_smem, by_threads))
+    except Exception:                          # an API change: one program per SM is always resident
+        per_sm = 1
     return per_sm * props.multi_processor_count
 
 
