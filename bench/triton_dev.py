@@ -2,6 +2,7 @@
 the SPEC criterion in the same run.
 
     PYTHONPATH=. python bench/triton_dev.py [--batch 16 64 256 512] [--variants w8:a0 w8:a1] [--gate kda] [--out DIR]
+    python bench/triton_dev.py --render bench/results/FILE.json       # the markdown table of an earlier run
 
 Method (SPEC section 5): for each batch B a pool of 8 B + 1 slots holds eight disjoint slot sets; one CUDA graph per
 set holds one deployment call; the graphs are replayed in rotation, so no call finds its data in L2. Launches are
@@ -121,11 +122,35 @@ def check(batch: int, gate: str, seed: int) -> criterion.Verdict:
     return criterion.judge(S, out, case.reference(), labels=case.labels, name=f"triton {gate} b{batch}")
 
 
+def render(path: str) -> str:
+    """The markdown table of a triton_dev.json written by an earlier run (results files are generated, not typed)."""
+    with open(path) as f:
+        d = json.load(f)
+    env = d["env"]
+    out = [f"{env['gpu']} ({env['sms']} SMs), copy {env['copy_bw_tbs']:.2f} TB/s, torch {env['torch']}, "
+           f"triton {env['triton']}, commit {env['commit']}, {env['date']}", "",
+           "| gate | variant | batch | due | due programs | median us | p20 | p80 | bound us | x bound | regs | "
+           "spills | grid |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        variant = r.get("variant", f"w{r.get('warps')}")
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+        out.append(f"| {r['gate']} | {variant} | {r['batch']} | {r['due']} | {r['due_programs']} | "
+                   f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['bound_us']:.1f} | {ratio} | "
+                   f"{r['regs']} | {r['spills']} | {r['grid']} |")
+    for v in d.get("verdicts", []):
+        out.append(f"\n- criterion {v['gate']} batch {v['batch']}: {v['message']}")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--render":
+        print(render(sys.argv[2]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256, 512])
     ap.add_argument("--variants", nargs="+", default=[f"w{fm.FLUSH_WARPS}:a{int(fm.ALIGN_HINTS)}"],
-                    help="kernel variants warps:align-hints, e.g. w8:a0 w8:a1 w16:a0; the first at every batch")
+                    help="kernel variants warps:align-hints[:register cap], e.g. w8:a0 w8:a1 w16:a0 w8:a0:r128; "
+                         "the first at every batch")
     ap.add_argument("--variant-batch", nargs="+", type=int, default=[256], help="batches of the other variants")
     ap.add_argument("--gate", nargs="+", default=["kda"])
     ap.add_argument("--due", nargs="+", default=["all", "sixteenth", "none"])
@@ -145,9 +170,10 @@ def main() -> None:
     rows = []
     for gate in a.gate:
         for vi, variant in enumerate(a.variants):
-            w_, a_ = variant.split(":")
+            w_, a_, *r_ = variant.split(":")
             warps = fm.FLUSH_WARPS = int(w_[1:])
             fm.ALIGN_HINTS = a_ == "a1"
+            fm.MAX_REGISTERS = int(r_[0][1:]) if r_ else 0
             fm._WORKSPACES.clear()
             for B in (a.batch if vi == 0 else a.variant_batch):
                 pool = Pool(SETS * B + 1, 32, device="cuda", gate=gate)

@@ -302,6 +302,9 @@ MARK_WARPS = 4
 #: alignment hints on the region and window offsets (16-byte vector loads; they also change the register layout
 #: Triton picks for the state: see bench/notes/triton.md)
 ALIGN_HINTS = os.environ.get("LEAPQUANT_TRITON_ALIGN", "0") == "1"
+#: register cap per thread (0: none). 128 at 8 warps fits two programs per SM at the price of spills (696 B of stack
+#: at sm_90): a variant to measure, see bench/notes/triton.md
+MAX_REGISTERS = int(os.environ.get("LEAPQUANT_TRITON_MAXNREG", "0"))
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
 INTERPRETER_PROGRAMS = 4
 
@@ -353,8 +356,11 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tu
 
 
 def _flush_meta(pool: Pool, ws: _Workspace) -> dict:
-    return dict(IS_KDA=pool.gate == "kda", CHUNK=CHUNK,
+    meta = dict(IS_KDA=pool.gate == "kda", CHUNK=CHUNK,
                 MAX_CHUNKS=ws.max_chunks, ALIGN=ALIGN_HINTS, num_warps=FLUSH_WARPS, num_stages=1)
+    if MAX_REGISTERS and not INTERPRETED:
+        meta["maxnreg"] = MAX_REGISTERS
+    return meta
 
 
 def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> int:
