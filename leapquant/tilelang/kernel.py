@@ -35,12 +35,18 @@ F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint
 #: threads of one consumer group: a 16 x 16 grid of threads, each owning an 8 x 8 tile of the 128 x 128 state
 GROUP_THREADS = 256
 TILE = 8
+TILE_BITS = 3                           # log2(TILE)
 TILES_PER_SIDE = V // TILE              # 16: rows (and columns) of the thread grid
 #: consumer groups per CTA: 2 x 256 threads = 512, so __launch_bounds__(512) caps registers at 128 per thread and
 #: exactly one CTA fits an SM (the grid is one CTA per SM: the persistent design needs every CTA resident)
 GROUPS = 2
 CTA_THREADS = GROUPS * GROUP_THREADS
 WARP = 32
+WARP_LEVELS = 5                         # butterfly levels of a reduction over the 32 lanes of a warp
+BYTE_BITS, BYTE_MASK = 8, 0xFF          # int8 codes packed four to an int32 word, little-endian
+WARP_TILE_ROWS = WARP // (V // TILE)    # 2: rows of the thread grid per warp (16 lanes span a row of tiles)
+FIRST_GROUP_BARRIER = 1                 # named barrier ids 1.. belong to the groups (0 is __syncthreads)
+PROJECTION_PASSES = 2                   # Gram-Schmidt: every projection applied twice ("twice is enough")
 CTA_WARPS = CTA_THREADS // WARP
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
 PROGRAMS_PER_CHUNK = CTA_THREADS * WARP
@@ -55,11 +61,14 @@ HALF_ONE = 1.0
 SUPPORTED_HEADS = (8, 16, 32)
 
 # pool offsets inside a (slot, head) region, in the units of the view that reads them
-SK_WORD = SK_BYTE // 4
-SV_WORD = SV_BYTE // 4
+WORD_BYTES, HALVES_PER_WORD = 4, 2       # the fp32 / int32 views count words, the fp16 view halfwords
+SK_WORD = SK_BYTE // WORD_BYTES
+SV_WORD = SV_BYTE // WORD_BYTES
 TOK_HALF = TOK_BYTE // 2
 TOK_ROW = K + V                          # halfwords per token row (u[r] | q[r])
-CODE_WORDS_PER_ROW = K // 4              # int8 codes read and written as int32 words
+CODES_PER_WORD = WORD_BYTES              # int8 codes read and written as int32 words
+CODE_WORDS_PER_ROW = K // CODES_PER_WORD
+TILE_WORDS = TILE // CODES_PER_WORD      # 2: the code words of one row of a thread's tile
 assert CHECKPOINT_BYTES == TOK_BYTE + 2 * R * TOK_ROW and R == 4 and V == K == 128 and L == 16
 
 
@@ -136,7 +145,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         """Index of the 4-float chunk of output row ``o`` in reduction plane ``part``: the chunk is XOR-permuted
         within its group of 8 so that both the per-tile writers (8 lanes along a row or a column of the thread grid)
         and the per-output readers hit 8 different bank quads."""
-        return part * V + (o & ~7) + ((o & 7) ^ ((o >> 3) & 7) ^ (part & 7))
+        low = TILE - 1                                  # the 8 chunks of one group, and the group's index bits
+        return part * V + (o & ~low) + ((o & low) ^ ((o >> TILE_BITS) & low) ^ (part & low))
 
     # ---- ranking of the due programs --------------------------------------------------------------------------------
     @T.macro
@@ -167,7 +177,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             cnt = T.call_extern(I32, "__popc", mask_s[tx])
             incl = T.alloc_local((1,), I32)
             incl[0] = cnt
-            for s in T.unroll(5):
+            for s in T.unroll(WARP_LEVELS):
                 up = T.shfl_up(incl[0], 1 << s)
                 incl[0] = incl[0] + T.if_then_else(lane >= (1 << s), up, 0)
             if lane == WARP - 1:
@@ -198,8 +208,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         """Old codes into registers; scales, tokens, window and gate into shared memory; reset the window."""
         base = region_word(slot, head)
         for i in T.unroll(TILE):
-            for c in T.vectorized(2):
-                cw[i * 2 + c] = raw32[base + (row0 + i) * CODE_WORDS_PER_ROW + col0 // 4 + c]
+            for c in T.vectorized(TILE_WORDS):
+                cw[i * TILE_WORDS + c] = raw32[base + (row0 + i) * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c]
         if t < K:                                   # thread per key column
             sko_s[g, t] = rawf[base + SK_WORD + t] / QMAXF     # s_k / 127, the dequantisation step of the column
             gk = T.alloc_local((1,), F32)
@@ -209,7 +219,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 gk[0] = p[slot, head]
             gate_s[g, t] = gk[0]
             for r in T.unroll(R):
-                ug_s[g, r, t] = T.cast(rawh[base * 2 + TOK_HALF + r * TOK_ROW + t], F32)
+                ug_s[g, r, t] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t], F32)
             decay = T.alloc_local((1,), F32)        # D_j = prod_{i > j} gbuf[i], built from the last entry back
             decay[0] = 1.0
             for jj in T.unroll(L):
@@ -228,7 +238,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             v = t - K
             svo_s[g, v] = rawf[base + SV_WORD + v]
             for r in T.unroll(R):
-                qo_s[g, r, v] = T.cast(rawh[base * 2 + TOK_HALF + r * TOK_ROW + K + v], F32)
+                qo_s[g, r, v] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v], F32)
             for j in T.unroll(L):
                 ub_s[g, j, v] = T.cast(ubuf[slot, head, j, v], F32)
         T.sync_threads(bar, GROUP_THREADS)
@@ -248,8 +258,9 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         for i in T.unroll(TILE):
             sv = svo_s[g, row0 + i]
             for j in T.unroll(TILE):
-                word = cw[i * 2 + j // 4]
-                code = (word << (24 - 8 * (j % 4))) >> 24          # sign-extended byte j % 4 of the word
+                word = cw[i * TILE_WORDS + j // CODES_PER_WORD]
+                top = 3 * BYTE_BITS                                  # sign-extend byte j % 4 of the word
+                code = (word << (top - BYTE_BITS * (j % CODES_PER_WORD))) >> top
                 S[i * TILE + j] = T.cast(code, F32) * colv[j] * sv
         for r in T.serial(R):
             for i in T.vectorized(TILE):
@@ -333,16 +344,16 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for r in T.vectorized(R):
                 x[i * R + r] = x_s[g, lane + WARP * i, r]
         for col in T.unroll(R):
-            for _rep in T.unroll(2):
+            for _rep in T.unroll(PROJECTION_PASSES):
                 for prev in T.unroll(R):
                     red[prev] = 0.0
                     if prev < col:
                         for i in T.unroll(RPL):
                             red[prev] = red[prev] + x[i * R + prev] * x[i * R + col]
-                for s in T.unroll(5):
+                for s in T.unroll(WARP_LEVELS):
                     for prev in T.unroll(R):
                         if prev < col:
-                            red[prev] = red[prev] + T.shfl_xor(red[prev], 16 >> s)
+                            red[prev] = red[prev] + T.shfl_xor(red[prev], (WARP // 2) >> s)
                 for prev in T.unroll(R):
                     if prev < col:
                         for i in T.unroll(RPL):
@@ -350,8 +361,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             red[0] = 0.0
             for i in T.unroll(RPL):
                 red[0] = red[0] + x[i * R + col] * x[i * R + col]
-            for s in T.unroll(5):
-                red[0] = red[0] + T.shfl_xor(red[0], 16 >> s)
+            for s in T.unroll(WARP_LEVELS):
+                red[0] = red[0] + T.shfl_xor(red[0], (WARP // 2) >> s)
             red[0] = T.sqrt(red[0])
             red[1] = T.if_then_else(red[0] > ORTH_ABS_FLOOR, 1.0 / red[0], 0.0)
             for i in T.unroll(RPL):
@@ -369,13 +380,13 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             sum_partials(red_s, g, t, U4)
             for r in T.unroll(R):
                 uh = T.cast(T.min(T.max(U4[r], -FP16_MAX), FP16_MAX), F16)
-                rawh[base * 2 + TOK_HALF + r * TOK_ROW + t] = uh
+                rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t] = uh
                 uh_s[g, r, t] = T.cast(uh, F32)
         else:
             v = t - K
             for r in T.unroll(R):
                 qh = T.cast(qv_s[g, v, r], F16)
-                rawh[base * 2 + TOK_HALF + r * TOK_ROW + K + v] = qh
+                rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v] = qh
                 qh_s[g, r, v] = T.cast(qh, F32)
 
     @T.macro
@@ -443,17 +454,17 @@ def flush_phases(cfg: FlushConfig) -> Phases:
     @T.macro
     def store_codes(S, raw32, base, g, row0, col0, rsv_s):
         """codes = round_half_even(x * 127 / s_v), clamped to +-127, four to an int32 word."""
-        packed = T.alloc_local((2,), I32)
+        packed = T.alloc_local((TILE_WORDS,), I32)
         for i in T.unroll(TILE):
             scale = rsv_s[g, row0 + i]
-            for c in T.unroll(2):
+            for c in T.unroll(TILE_WORDS):
                 packed[c] = 0
-                for b in T.unroll(4):
-                    near = T.call_extern(I32, "__float2int_rn", S[i * TILE + c * 4 + b] * scale)
+                for b in T.unroll(CODES_PER_WORD):
+                    near = T.call_extern(I32, "__float2int_rn", S[i * TILE + c * CODES_PER_WORD + b] * scale)
                     code = T.min(T.max(near, -QMAX), QMAX)
-                    packed[c] = packed[c] | ((code & 255) << (8 * b))
-            for c in T.vectorized(2):
-                raw32[base + (row0 + i) * CODE_WORDS_PER_ROW + col0 // 4 + c] = packed[c]
+                    packed[c] = packed[c] | ((code & BYTE_MASK) << (BYTE_BITS * b))
+            for c in T.vectorized(TILE_WORDS):
+                raw32[base + (row0 + i) * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
     return Phases(find_due_programs=find_due_programs, stage_program=stage_program, rebuild_state=rebuild_state,
                   project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
@@ -510,16 +521,16 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             ranked = T.alloc_local((1,), I32)
             total = T.alloc_local((1,), I32)
             S = T.alloc_local((TILE * TILE,), F32)
-            cw = T.alloc_local((TILE * 2,), I32)
+            cw = T.alloc_local((TILE * TILE_WORDS,), I32)
 
             g = tx // GROUP_THREADS
             t = tx % GROUP_THREADS
             lane = tx % WARP
             tc = lane % TILES_PER_SIDE
-            tr = (t // WARP) * 2 + lane // TILES_PER_SIDE
+            tr = (t // WARP) * WARP_TILE_ROWS + lane // TILES_PER_SIDE
             row0 = tr * TILE
             col0 = tc * TILE
-            bar = 1 + g                                 # named barrier of the group (0 is the CTA's)
+            bar = FIRST_GROUP_BARRIER + g
 
             q0_s[0, tx // R, tx % R] = q0[tx // R, tx % R]
             total[0] = 0
