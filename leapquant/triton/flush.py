@@ -301,7 +301,7 @@ FLUSH_WARPS = 8          #: 8 warps: the 128 x 128 fp32 state is 64 registers pe
 MARK_WARPS = 4
 #: alignment hints on the region and window offsets (16-byte vector loads; they also change the register layout
 #: Triton picks for the state: see bench/notes/triton.md)
-ALIGN_HINTS = os.environ.get("LEAPQUANT_TRITON_ALIGN", "0") == "1"
+ALIGN_HINTS = os.environ.get("LEAPQUANT_TRITON_ALIGN", "1") == "1"
 #: register cap per thread (0: none). 128 at 8 warps fits two programs per SM at the price of spills (696 B of stack
 #: at sm_90): a variant to measure, see bench/notes/triton.md
 MAX_REGISTERS = int(os.environ.get("LEAPQUANT_TRITON_MAXNREG", "0"))
