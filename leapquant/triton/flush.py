@@ -301,10 +301,10 @@ FLUSH_WARPS = 8          #: 8 warps: the 128 x 128 fp32 state is 64 registers pe
 MARK_WARPS = 4
 #: alignment hints on the region and window offsets (16-byte vector loads; they also change the register layout
 #: Triton picks for the state: see bench/notes/triton.md)
-ALIGN_HINTS = os.environ.get("LEAPQUANT_TRITON_ALIGN", "1") == "1"
-#: register cap per thread (0: none). 128 at 8 warps fits two programs per SM at the price of spills (696 B of stack
-#: at sm_90): a variant to measure, see bench/notes/triton.md
-MAX_REGISTERS = int(os.environ.get("LEAPQUANT_TRITON_MAXNREG", "0"))
+ALIGN_HINTS = True
+#: register cap per thread (0: none). 128 at 8 warps would fit two programs per SM at the price of spills (696 B of
+#: stack at sm_90): bench/triton_dev.py measures that variant by setting this attribute
+MAX_REGISTERS = 0
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
 INTERPRETER_PROGRAMS = 4
 
