@@ -11,8 +11,10 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/ (see the README there); None until a TileLang kernel is measured faster on the H200
-SM90_TILELANG_FASTER_FROM: int | None = None
+#: source: bench/results/h200_ea11bea_tilelang.md (TileLang, KDA all due: 48.0 / 165.3 / 609.6 / 1198.5 us at batch
+#: 16 / 64 / 256 / 512) against bench/results/h200_3ccdabf-dirty_seed-reference-triton.md (Triton: 146.3 / 579.4 /
+#: 2265.3 / 4511.8 us); TileLang is also faster at 1/16 due and none due at every batch: it is preferred from batch 1
+SM90_TILELANG_FASTER_FROM: int | None = 1
 
 
 def preferred(pool: Pool, num_rows: int) -> list[str]:
