@@ -284,3 +284,40 @@ def test_gpu_graph_replay(gate):
         if len(slots):
             v = _judge_programs(pool, slots, hs, inputs, q0)
             assert v.passed, f"replay {rep}: {v.message}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("due", ["all", "some"])
+def test_gpu_several_chunks_and_rounds(due):
+    """600 rows x 32 heads: the ranking spans two chunks of 512 rows, and with every program due (19200 > 132 CTAs
+    x 128 list entries) two ranking rounds; every due program is flushed once and passes the criterion."""
+    _skip_unless_served(32, "kda")
+    from leapquant.bench import CheckData
+    rows = 600
+    data = _CHECK_DATA.get("kda")
+    if data is None:
+        data = _CHECK_DATA["kda"] = CheckData("kda", 32, 16, 0, DEVICE)
+    t, exact, ref, labels = data.batch(rows)
+    pool = Pool(rows + 3, 32, device=DEVICE, gate="kda")
+    slots = torch.arange(2, rows + 2)
+    pool.write_checkpoint(slots, t["codes"], t["s_k"], t["s_v"], t["u"], t["q"])
+    pool.write_window(slots, t["kbuf"], t["ubuf"], t["w"], t["pcum"], t["gbuf"])
+    g = torch.Generator().manual_seed(3)
+    if due == "some":
+        pool.hcnt[slots] = torch.where(torch.rand(rows, 32, generator=g) < 0.3, L, L - 1).to(DEVICE, torch.int32)
+    idx = slots[torch.randperm(rows, generator=g)].to(DEVICE, torch.int32)
+    due_mask = (pool.hcnt[slots] == L).cpu()
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="tilelang")
+    torch.cuda.synchronize()
+    r, h = due_mask.nonzero(as_tuple=True)
+    assert_flush_footprint(pool, before, slots[r], h)
+    s_dev, h_dev = slots[r].to(DEVICE), h.to(DEVICE)
+    tok = pool.tokens[s_dev, h_dev]
+    out = tuple(x.unsqueeze(0) for x in (pool.codes[s_dev, h_dev], pool.s_k[s_dev, h_dev], pool.s_v[s_dev, h_dev],
+                                         tok[..., :lq.K], tok[..., lq.K:]))
+    r_dev, hh = r.to(DEVICE), h.to(DEVICE)
+    v = criterion.judge(exact[r_dev, hh].unsqueeze(0), out, tuple(x[r_dev, hh].unsqueeze(0) for x in ref),
+                        name="tilelang")
+    assert v.passed, v.message

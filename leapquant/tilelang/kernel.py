@@ -479,10 +479,10 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
     ph = phases or flush_phases(cfg)
     H, G, KDA = cfg.num_heads, cfg.num_sms, cfg.gate == "kda"
     ROWS = cfg.rows_per_chunk
-    N = T.symbolic("num_rows")
-    NS = T.symbolic("num_slots")
-    NW = T.symbolic("raw_words")
-    NH = T.symbolic("raw_halves")
+    N = T.dynamic("num_rows")
+    NS = T.dynamic("num_slots")
+    NW = T.dynamic("raw_words")
+    NH = T.dynamic("raw_halves")
     n_pcum = (NS, H, K) if KDA else (1, 1, 1)
     n_gbuf = (NS, H, L, K) if KDA else (1, 1, 1, 1)
     n_p = (1, 1) if KDA else (NS, H)
