@@ -55,6 +55,8 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 _LOGGED: set[tuple] = set()
+#: resolved choices per (device, gate, heads, requested name, rows): the capability checks run once per geometry
+_CHOSEN: dict[tuple, Backend] = {}
 _local = threading.local()
 
 
@@ -63,6 +65,7 @@ def register(backend: Backend) -> Backend:
     if backend.name not in BACKENDS:
         raise ValueError(f"backend name {backend.name!r} is not one of {BACKENDS}")
     _REGISTRY[backend.name] = backend
+    _CHOSEN.clear()
     return backend
 
 
@@ -137,6 +140,16 @@ def auto_order(pool: Pool, num_rows: int) -> list[str]:
 def select(pool: Pool, num_rows: int, backend: str | None = None) -> Backend:
     """The backend that will run a flush of ``num_rows`` rows on ``pool``."""
     name = requested(backend)
+    key = (str(pool.device), pool.gate, pool.num_heads, name, num_rows)
+    chosen = _CHOSEN.get(key)
+    if chosen is not None and _REGISTRY.get(chosen.name) is chosen:
+        return chosen
+    chosen = _resolve(pool, num_rows, name)
+    _CHOSEN[key] = chosen
+    return chosen
+
+
+def _resolve(pool: Pool, num_rows: int, name: str) -> Backend:
     if name != "auto":
         why = reasons(name, pool)
         if why:

@@ -18,6 +18,12 @@ def _pool(gate="kda"):
     return pool, torch.tensor([1, 2], dtype=torch.int32), lq.default_q0()
 
 
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    """Each test resolves its choices anew (the dispatch caches them per geometry)."""
+    monkeypatch.setattr(dispatch, "_CHOSEN", {})
+
+
 @pytest.fixture
 def fake_tilelang(monkeypatch):
     """A tilelang backend that always declines, with two reasons."""
@@ -115,6 +121,16 @@ def test_backend_info_lists_every_backend_with_reasons():
     assert ref["available"] and ref["reasons"] == [] and ref["auto_rank"] == 1
     for r in rows[1:]:
         assert r["available"] or r["reasons"], r
+
+
+def test_choice_is_cached_per_geometry(monkeypatch):
+    pool, _, _ = _pool()
+    calls = []
+    real = dispatch.reasons
+    monkeypatch.setattr(dispatch, "reasons", lambda name, p: calls.append(name) or real(name, p))
+    for _ in range(3):
+        assert dispatch.select(pool, 2, backend="reference").name == "reference"
+    assert calls == ["reference"]
 
 
 def test_register_rejects_unknown_names():
