@@ -11,7 +11,8 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
                         per thread, kept in registers until the codes are written
     project_columns     S^T x (K x R) for x = q0, then x = Q:    partials per 8-row tile, summed in shared memory
     project_rows        S x  (V x R) for x = P
-    orthonormalise      classical Gram-Schmidt with every projection applied twice (as the reference), one warp
+    orthonormalise      CholeskyQR2 with a relative pivot floor: per pass one group-wide reduction of the 4 x 4 Gram
+                        matrix, its Cholesky factor in every thread's registers, each thread's row times L^-T
     emit_tokens         u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool, their fp32 values kept for the residual
     residual            E = S - q^T u, in fp32 registers (no fp16 intermediate: a tiny head keeps full precision)
     column_scales       s_k = max(sqrt(mean_v |E|), EPS)
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 
 from ..layout import (CHECKPOINT_BYTES, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE,
                       V, slot_stride)
-from ..reference import ORTH_ABS_FLOOR
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
 
@@ -46,7 +46,21 @@ WARP_LEVELS = 5                         # butterfly levels of a reduction over t
 BYTE_BITS, BYTE_MASK = 8, 0xFF          # int8 codes packed four to an int32 word, little-endian
 WARP_TILE_ROWS = WARP // (V // TILE)    # 2: rows of the thread grid per warp (16 lanes span a row of tiles)
 FIRST_GROUP_BARRIER = 1                 # named barrier ids 1.. belong to the groups (0 is __syncthreads)
-PROJECTION_PASSES = 2                   # Gram-Schmidt: every projection applied twice ("twice is enough")
+#: CholeskyQR2 (SPEC section 2): X <- X L^-T with L L^T = X^T X, twice. The first pass leaves columns orthonormal to
+#: about eps * cond(X)^2 (after the pivot floor, cond of its output is small), the second to working precision
+CHOLQR_PASSES = 2
+#: pivot floor relative to the column's squared norm G_jj: the Schur complement G_jj - sum_i L_ji^2 comes out of fp32
+#: dot products of 128 terms, so its rounding is ~sqrt(128) * 2^-24 ~ 7e-7 of G_jj; a pivot below that carries no
+#: direction (a rank-deficient head), and flooring it keeps L^-1 finite: the column becomes (small) noise that the
+#: second pass orthonormalises, as Gram-Schmidt makes a direction of its rounding noise
+CHOL_RELATIVE_FLOOR = 1e-6
+#: absolute pivot floor: a column with G_jj below it (norm < 1e-18) is absent. A normal fp32 (the smallest is 1.2e-38),
+#: so rsqrt of it is finite; an all-zero column stays exactly zero (0 * 1e18), and an all-zero head decodes to 0
+CHOL_ABS_FLOOR = 1e-36
+GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gram matrix, packed row by row
+GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three float4
+VEC4 = 4                                # floats per 16-byte shared-memory access
+ORTH_WARPS = V // WARP                  # 4: the warps whose threads hold one row each of P (K rows) or Q (V rows)
 CTA_WARPS = CTA_THREADS // WARP
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
 PROGRAMS_PER_CHUNK = CTA_THREADS * WARP
@@ -103,7 +117,8 @@ def shared_bytes(cfg: FlushConfig) -> int:
                      + TILES_PER_SIDE * R * V  # reduction partials
                      + 2 * V * R           # P and Q
                      + 4 * R * V           # old u (gated), old q, new u, new q
-                     + 6 * V)              # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
+                     + 6 * V               # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
+                     + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT)  # Gram partials of the orthonormalisation
     scan = 4 * (cfg.rows_per_chunk + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
     return GROUPS * per_group + 4 * V * R + scan
 
@@ -331,45 +346,64 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for r in T.unroll(R):
                 out4[r] = out4[r] + part[r]
 
+    def tri(j, i):
+        """Index of entry (j, i), i <= j, of a packed lower-triangular 4 x 4 matrix."""
+        return j * (j + 1) // 2 + i
+
     @T.macro
-    def orthonormalise(x_s, g, lane):
-        """Orthonormal columns spanning x_s[g] (128 x R), in place, by one warp (4 rows per lane): classical
-        Gram-Schmidt with the projections applied twice (the dot products of one pass batched in one butterfly
-        reduction); a column whose norm is <= ORTH_ABS_FLOOR becomes zero. Norms are sqrt(sum of squares) in fp32,
-        as the reference's."""
-        RPL = V // WARP
-        x = T.alloc_local((RPL * R,), F32)
-        red = T.alloc_local((R,), F32)
-        for i in T.unroll(RPL):
-            for r in T.vectorized(R):
-                x[i * R + r] = x_s[g, lane + WARP * i, r]
-        for col in T.unroll(R):
-            for _rep in T.unroll(PROJECTION_PASSES):
-                for prev in T.unroll(R):
-                    red[prev] = 0.0
-                    if prev < col:
-                        for i in T.unroll(RPL):
-                            red[prev] = red[prev] + x[i * R + prev] * x[i * R + col]
+    def orthonormalise(x4, gram_s, g, t, lane, bar):
+        """CholeskyQR2 of the 128 x R matrix whose row t is x4 in thread t < V (K == V), in place; every thread of
+        the group calls it (it synchronises the group). Per pass: the Gram matrix G = X^T X in fp32 (each thread its
+        row's products, a butterfly over the warp, the four warps' partials summed through shared memory in one fixed
+        order, so every thread holds the same G); its Cholesky factor with pivots
+        d_j = max(G_jj - sum_{i<j} L_ji^2, CHOL_RELATIVE_FLOOR * G_jj, CHOL_ABS_FLOOR) in every thread's registers;
+        then the row x <- L^-1 x (X <- X L^-T) by forward substitution. A zero column stays exactly zero."""
+        gr = T.alloc_local((GRAM_SLOT,), F32)
+        lf = T.alloc_local((GRAM_ENTRIES,), F32)    # L_ji below the diagonal, 1 / L_jj on it
+        acc = T.alloc_local((1,), F32)
+        warp = t // WARP
+        for ps in T.unroll(CHOLQR_PASSES):
+            if t < V:
+                for e in T.unroll(GRAM_SLOT):
+                    gr[e] = 0.0
+                for j in T.unroll(R):
+                    for i in T.unroll(R):
+                        if i <= j:
+                            gr[tri(j, i)] = x4[j] * x4[i]
                 for s in T.unroll(WARP_LEVELS):
-                    for prev in T.unroll(R):
-                        if prev < col:
-                            red[prev] = red[prev] + T.shfl_xor(red[prev], (WARP // 2) >> s)
-                for prev in T.unroll(R):
-                    if prev < col:
-                        for i in T.unroll(RPL):
-                            x[i * R + col] = x[i * R + col] - red[prev] * x[i * R + prev]
-            red[0] = 0.0
-            for i in T.unroll(RPL):
-                red[0] = red[0] + x[i * R + col] * x[i * R + col]
-            for s in T.unroll(WARP_LEVELS):
-                red[0] = red[0] + T.shfl_xor(red[0], (WARP // 2) >> s)
-            red[0] = T.sqrt(red[0])
-            red[1] = T.if_then_else(red[0] > ORTH_ABS_FLOOR, 1.0 / red[0], 0.0)
-            for i in T.unroll(RPL):
-                x[i * R + col] = x[i * R + col] * red[1]
-        for i in T.unroll(RPL):
-            for r in T.vectorized(R):
-                x_s[g, lane + WARP * i, r] = x[i * R + r]
+                    for e in T.unroll(GRAM_ENTRIES):
+                        gr[e] = gr[e] + T.shfl_xor(gr[e], (WARP // 2) >> s)
+                if lane == 0:
+                    for c in T.unroll(GRAM_SLOT // VEC4):
+                        for e in T.vectorized(VEC4):
+                            gram_s[g, ps, warp, c * VEC4 + e] = gr[c * VEC4 + e]
+            T.sync_threads(bar, GROUP_THREADS)
+            if t < V:
+                for e in T.unroll(GRAM_SLOT):
+                    gr[e] = 0.0
+                for w in T.unroll(ORTH_WARPS):
+                    for c in T.unroll(GRAM_SLOT // VEC4):
+                        for e in T.vectorized(VEC4):
+                            gr[c * VEC4 + e] = gr[c * VEC4 + e] + gram_s[g, ps, w, c * VEC4 + e]
+                for j in T.unroll(R):                   # Cholesky, column by column
+                    acc[0] = gr[tri(j, j)]
+                    for i in T.unroll(R):
+                        if i < j:
+                            acc[0] = acc[0] - lf[tri(j, i)] * lf[tri(j, i)]
+                    lf[tri(j, j)] = T.rsqrt(T.max(T.max(acc[0], CHOL_RELATIVE_FLOOR * gr[tri(j, j)]),
+                                                  CHOL_ABS_FLOOR))
+                    for k in T.unroll(R):
+                        if k > j:
+                            acc[0] = gr[tri(k, j)]
+                            for i in T.unroll(R):
+                                if i < j:
+                                    acc[0] = acc[0] - lf[tri(k, i)] * lf[tri(j, i)]
+                            lf[tri(k, j)] = acc[0] * lf[tri(j, j)]
+                for j in T.unroll(R):                   # forward substitution: this thread's row
+                    for i in T.unroll(R):
+                        if i < j:
+                            x4[j] = x4[j] - lf[tri(j, i)] * x4[i]
+                    x4[j] = x4[j] * lf[tri(j, j)]
 
     @T.macro
     def emit_tokens(rawh, base, t, g, red_s, qv_s, uh_s, qh_s):
@@ -516,12 +550,14 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             gate_s = T.alloc_shared((GROUPS, K), F32)
             skn_s = T.alloc_shared((GROUPS, K), F32)
             rsv_s = T.alloc_shared((GROUPS, V), F32)
+            gram_s = T.alloc_shared((GROUPS, CHOLQR_PASSES, ORTH_WARPS, GRAM_SLOT), F32)
 
             tx = T.get_thread_binding()
             ranked = T.alloc_local((1,), I32)
             total = T.alloc_local((1,), I32)
             S = T.alloc_local((TILE * TILE,), F32)
             cw = T.alloc_local((TILE * TILE_WORDS,), I32)
+            x4 = T.alloc_local((R,), F32)          # one row of P, then of Q (threads t < V)
 
             g = tx // GROUP_THREADS
             t = tx % GROUP_THREADS
@@ -553,25 +589,21 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         ph.project_columns(S, q0_s, 0, g, tr, row0, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < K:
-                            P4 = T.alloc_local((R,), F32)
-                            ph.sum_partials(red_s, g, t, P4)
+                            ph.sum_partials(red_s, g, t, x4)
+                        ph.orthonormalise(x4, gram_s, g, t, lane, bar)
+                        if t < K:
                             for r in T.vectorized(R):
-                                pv_s[g, t, r] = P4[r]
-                        T.sync_threads(bar, GROUP_THREADS)
-                        if t < WARP:
-                            ph.orthonormalise(pv_s, g, lane)
+                                pv_s[g, t, r] = x4[r]
                         T.sync_threads(bar, GROUP_THREADS)
                         # Q = orth(S P)
                         ph.project_rows(S, pv_s, g, tc, row0, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
-                            Q4 = T.alloc_local((R,), F32)
-                            ph.sum_partials(red_s, g, t, Q4)
+                            ph.sum_partials(red_s, g, t, x4)
+                        ph.orthonormalise(x4, gram_s, g, t, lane, bar)
+                        if t < V:
                             for r in T.vectorized(R):
-                                qv_s[g, t, r] = Q4[r]
-                        T.sync_threads(bar, GROUP_THREADS)
-                        if t < WARP:
-                            ph.orthonormalise(qv_s, g, lane)
+                                qv_s[g, t, r] = x4[r]
                         T.sync_threads(bar, GROUP_THREADS)
                         # U = S^T Q, the fp16 tokens
                         ph.project_columns(S, qv_s, g, g, tr, row0, col0, red_s)
