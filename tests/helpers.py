@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from leapquant.layout import CHECKPOINT_BYTES, L, OFF, REGION_WORDS, Pool
+from leapquant.layout import CHECKPOINT_BYTES, K, L, OFF, REGION_WORDS, Pool
 
 POISON_CODE = 0x7F  #: a code no flush can write (127 is legal, but a full region of it is not a flush's output)
 
@@ -90,3 +90,51 @@ def assert_flush_footprint(pool: Pool, before: dict[str, torch.Tensor], slots: t
         diff = after[name] != exp
         assert not bool(diff.any()), f"{name}: {int(diff.sum())} bytes differ from the expected reset/untouched state"
     assert torch.equal(after["hcnt"], before["hcnt"]), "hcnt changed"
+
+
+# ---- shared by the kernel suites: the deployment form judged by the criterion ---------------------------------------
+def due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, heads) long [n] (CPU) of the programs a flush of ``idx`` must rewrite: hcnt == L, slot in [1, NS)."""
+    idx_l = idx.long().cpu()
+    slots = torch.unique(idx_l[(idx_l > 0) & (idx_l < pool.num_slots)])
+    rows, heads = (pool.hcnt.cpu()[slots] == L).nonzero(as_tuple=True)
+    return slots[rows], heads
+
+
+def program_inputs(pool: Pool, slots: torch.Tensor, heads: torch.Tensor):
+    """Copies of the checkpoint, window and gate of programs (slots[i], heads[i]), with a leading [1, n] dim."""
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    tok = pool.tokens[s, h]
+    ck = (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :K], tok[..., K:])
+    win = (pool.kbuf[s, h], pool.ubuf[s, h], pool.w[s, h])
+    gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])
+    add = lambda t: t.clone().unsqueeze(0)  # noqa: E731
+    return tuple(map(add, ck)), tuple(map(add, win)), {k: add(v) for k, v in gate.items()}
+
+
+def judge_programs(pool: Pool, slots, heads, inputs, q0, name: str):
+    """The criterion's verdict on the checkpoints now at (slots, heads), flushed from ``inputs``."""
+    from leapquant import criterion, reference
+    ck, win, gate = inputs
+    S = criterion.exact_state(*ck, *win, **gate)
+    ref = reference.compress(reference.rebuild(*ck, *win, **gate), q0)
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    tok = pool.tokens[s, h]
+    out = tuple(t.unsqueeze(0) for t in (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :K],
+                                         tok[..., K:]))
+    return criterion.judge(S, out, ref, name=name)
+
+
+def noisy_pool(gate: str, heads: int, seed: int, device, num_slots: int = 7) -> tuple[Pool, torch.Tensor]:
+    """Noise in every byte (so stray writes show), family data in slots 2, 3, 5, a mix of due and not-due programs;
+    idx has skipped rows (0) and leaves out slot 4, whose programs are due; slot 0 is marked due and must never be
+    flushed."""
+    from leapquant import families
+    pool = Pool(num_slots, heads, device=device, gate=gate)
+    fill_noise(pool, seed=seed)
+    families.make_case(3, heads, gate, seed=seed).to(device).load_into(pool, [2, 3, 5])
+    g = torch.Generator().manual_seed(seed)
+    pool.hcnt[2] = torch.where(torch.rand(heads, generator=g) < 0.5, L, L - 1).to(device, torch.int32)
+    pool.hcnt[4] = L
+    pool.hcnt[0] = L
+    return pool, torch.tensor([3, 0, 2, 5, 0], dtype=torch.int32, device=device)

@@ -16,7 +16,8 @@ import torch
 import leapquant as lq
 from leapquant import criterion, dispatch, families, reference
 from leapquant.layout import L, Pool
-from helpers import POISON_CODE, assert_flush_footprint, fill_noise, snapshot
+from helpers import (POISON_CODE, assert_flush_footprint, due_programs, fill_noise, judge_programs, noisy_pool,
+                     program_inputs, snapshot)
 
 tilelang = pytest.importorskip("tilelang")
 from leapquant import tilelang as lq_tl  # noqa: E402  (registers the backend)
@@ -94,12 +95,6 @@ def test_registered_and_forced_backend_raises_on_cpu():
 
 
 # ---- GPU: the criterion ---------------------------------------------------------------------------------------------
-def _judge(case: families.Case, out) -> criterion.Verdict:
-    S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"], case.tensors["w"],
-                              **case.gate_kwargs())
-    return criterion.judge(S, out, case.reference(), labels=case.labels, name="tilelang")
-
-
 def _skip_unless_served(heads: int = 32, gate: str = "kda") -> None:
     why = lq_tl.reasons(Pool(2, heads, device=DEVICE, gate=gate))
     if why:
@@ -143,7 +138,7 @@ def test_gpu_hard_families(gate, family):
     _skip_unless_served(32, gate)
     case = families.make_case(4, 32, gate, seed=7, families=[family]).to(DEVICE)
     out = case.run(backend="tilelang")
-    v = _judge(case, out)
+    v = case.judge(out, "tilelang")
     assert v.passed, v.message
     if family == "zero":
         assert float(reference.decode_checkpoint(*out).abs().max()) == 0.0
@@ -156,56 +151,11 @@ def test_gpu_hard_families(gate, family):
 def test_gpu_other_head_counts(heads, gate):
     _skip_unless_served(heads, gate)
     case = families.make_case(40, heads, gate, seed=heads).to(DEVICE)
-    v = _judge(case, case.run(backend="tilelang"))
+    v = case.judge(case.run(backend="tilelang"), "tilelang")
     assert v.passed, v.message
 
 
 # ---- GPU: the deployment contract -----------------------------------------------------------------------------------
-def _due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    idx_l = idx.long().cpu()
-    ok = (idx_l > 0) & (idx_l < pool.num_slots)
-    slots = torch.unique(idx_l[ok])
-    due = pool.hcnt.cpu()[slots] == L
-    rows, heads = due.nonzero(as_tuple=True)
-    return slots[rows], heads
-
-
-def _inputs_of(pool: Pool, slots: torch.Tensor, heads: torch.Tensor):
-    s, h = slots.to(pool.device), heads.to(pool.device)
-    tok = pool.tokens[s, h]
-    ck = (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K], tok[..., lq.K:])
-    win = (pool.kbuf[s, h], pool.ubuf[s, h], pool.w[s, h])
-    gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])
-    add = lambda t: t.clone().unsqueeze(0)  # noqa: E731
-    return tuple(map(add, ck)), tuple(map(add, win)), {k: add(v) for k, v in gate.items()}
-
-
-def _judge_programs(pool: Pool, slots, heads, inputs, q0) -> criterion.Verdict:
-    ck, win, gate = inputs
-    S = criterion.exact_state(*ck, *win, **gate)
-    ref = reference.compress(reference.rebuild(*ck, *win, **gate), q0)
-    s, h = slots.to(pool.device), heads.to(pool.device)
-    tok = pool.tokens[s, h]
-    out = tuple(t.unsqueeze(0) for t in (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K],
-                                         tok[..., lq.K:]))
-    return criterion.judge(S, out, ref, name="tilelang")
-
-
-def _make_pool(gate: str, heads: int, seed: int, num_slots: int = 7) -> tuple[Pool, torch.Tensor]:
-    """Noise everywhere, family data in slots 2, 3, 5, a mix of due and not-due programs; idx has skipped rows and
-    a due slot (4) that is not in idx; slot 0 is marked due and must never be flushed."""
-    pool = Pool(num_slots, heads, device=DEVICE, gate=gate)
-    fill_noise(pool, seed=seed)
-    case = families.make_case(3, heads, gate, seed=seed).to(DEVICE)
-    case.load_into(pool, [2, 3, 5])
-    g = torch.Generator().manual_seed(seed)
-    pool.hcnt[2] = torch.where(torch.rand(heads, generator=g) < 0.5, L, L - 1).to(DEVICE, torch.int32)
-    pool.hcnt[4] = L
-    pool.hcnt[0] = L
-    idx = torch.tensor([3, 0, 2, 5, 0], dtype=torch.int32, device=DEVICE)
-    return pool, idx
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
@@ -215,8 +165,8 @@ def test_gpu_footprint_and_poison(gate, heads):
     every other byte (non-due programs, slot 0, rows not in idx, spare regions, bytes past each checkpoint, hcnt)
     is untouched; the due windows are reset."""
     _skip_unless_served(heads, gate)
-    pool, idx = _make_pool(gate, heads, seed=5 + heads)
-    slots, hs = _due_programs(pool, idx)
+    pool, idx = noisy_pool(gate, heads, 5 + heads, DEVICE)
+    slots, hs = due_programs(pool, idx)
     s, h = slots.to(DEVICE), hs.to(DEVICE)
     pool.codes[s, h] = POISON_CODE
     pool.s_k[s, h] = 0.0
@@ -224,13 +174,13 @@ def test_gpu_footprint_and_poison(gate, heads):
     pool.tokens[s, h] = 0.0
     pool.s_k[4, 0] = float("nan")
     pool.s_v[0, 0] = float("nan")
-    inputs = _inputs_of(pool, slots, hs)
+    inputs = program_inputs(pool, slots, hs)
     before = snapshot(pool)
     lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="tilelang")
     torch.cuda.synchronize()
     assert_flush_footprint(pool, before, slots, hs)
     assert bool((pool.s_k[s, h] >= lq.EPS).all()) and bool((pool.s_v[s, h] >= lq.EPS).all())
-    v = _judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE))
+    v = judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE), "tilelang")
     assert v.passed, v.message
 
 
@@ -239,7 +189,7 @@ def test_gpu_footprint_and_poison(gate, heads):
 def test_gpu_out_of_range_slots_are_skipped():
     """Slots outside [1, num_slots) (reachable under graph capture, where values are not checked) change nothing."""
     _skip_unless_served(8, "kda")
-    pool, _ = _make_pool("kda", 8, seed=9)
+    pool, _ = noisy_pool("kda", 8, 9, DEVICE)
     pool.hcnt.fill_(L)
     before = snapshot(pool)
     bad = torch.tensor([0, -1, pool.num_slots, pool.num_slots + 100, -(2**31)], dtype=torch.int32, device=DEVICE)
@@ -275,14 +225,14 @@ def test_gpu_graph_replay(gate):
         case.load_into(pool, [3, 7, 11, 9])
         due = torch.rand(pool.num_slots, heads, generator=g) < frac
         pool.hcnt.copy_(torch.where(due, L, L - 1 - rep).to(DEVICE, torch.int32))
-        slots, hs = _due_programs(pool, idx)
-        inputs = _inputs_of(pool, slots, hs)
+        slots, hs = due_programs(pool, idx)
+        inputs = program_inputs(pool, slots, hs)
         before = snapshot(pool)
         graph.replay()
         torch.cuda.synchronize()
         assert_flush_footprint(pool, before, slots, hs)
         if len(slots):
-            v = _judge_programs(pool, slots, hs, inputs, q0)
+            v = judge_programs(pool, slots, hs, inputs, q0, "tilelang")
             assert v.passed, f"replay {rep}: {v.message}"
 
 
