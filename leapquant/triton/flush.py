@@ -8,8 +8,10 @@
    concatenated list: a balanced split (+-1 item) however unevenly the due programs are spread over the rows.
 
 One due item = one (slot, head) program, processed top-down as the algorithm (SPEC section 2), all in fp32 registers:
-rebuild the state S [V, K], one subspace iteration from q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q), fp16 tokens,
-residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window reset.
+rebuild the state S [V, K] (the window's keys staged through a small per-program scratch), one subspace iteration from
+q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q; orth = CholeskyQR2 with floored pivots, each of P, Q, U one batched
+reduction), fp16 tokens, residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window
+reset.
 
 Both kernels run unchanged under ``TRITON_INTERPRET=1`` (the CPU test tier): bf16/fp16 values are converted to fp32
 right after each load, and there rounding to nearest even uses fp32 arithmetic instead of libdevice's rint (which the
@@ -29,7 +31,6 @@ from triton.language.extra import libdevice
 
 from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V,
                       Pool, slot_stride)
-from ..reference import ORTH_ABS_FLOOR
 
 assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
 
@@ -51,7 +52,17 @@ _TOK_ROW = _const(K + V)                        # fp16 words per token row (u[r,
 _QMAX = _const(float(QMAX))
 _EPS = _const(EPS)
 _FP16_MAX = _const(FP16_MAX)
-_ORTH_FLOOR = _const(ORTH_ABS_FLOOR)
+#: CholeskyQR pivot floor relative to the column's own squared norm G_jj. A pivot d_j = G_jj - sum_i L_ji^2 is a
+#: difference of sums of 128 fp32 products, exact only to ~128 * 2^-24 * G_jj ~ 1e-5 G_jj: below that it is rounding
+#: noise, possibly negative (a column in the span of the earlier ones: rank-deficient heads). 1e-4 keeps a margin of 10
+#: over that noise; a floored column leaves the first pass with norm < 1, and its direction is renormalised by the
+#: second pass.
+_REL_FLOOR = _const(1e-4)
+#: absolute pivot floor, in squared-norm units: only an exactly (or sub-1e-15-norm) zero column reaches it; it turns
+#: 0 / 0 into 0 (all-zero heads, zero columns of rank-deficient heads stay exactly zero), and a column below it is
+#: multiplied by at most 1e15, so it leaves a pass with norm < 1. Real heads (|S| >= ~1e-4 in the domain) have
+#: squared column norms many orders above it, and fp32 (normal down to 1.2e-38) represents it exactly enough.
+_ABS_FLOOR = _const(1e-30)
 _OFF = _const(OFF)
 _REGION_WORDS = _const(REGION_WORDS)
 _CODES_BYTE = _const(CODES_BYTE)
@@ -90,36 +101,79 @@ def _mark_due(idx_ptr, hcnt_ptr, due_ptr, count_ptr, N, num_slots, H, CHUNK: tl.
 
 # ---- helpers of launch 2 --------------------------------------------------------------------------------------------
 @triton.jit
-def _minus_proj(c, b):
-    """c - b (b . c): removes from column c its component along the unit (or zero) column b."""
-    return c - b * tl.sum(b * c, 0)
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """Combine function of a 4-operand sum: the R = 4 products S^T x (or S x) in one reduction."""
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
 @triton.jit
-def _unit(c):
-    """c / |c|, or zero when |c| <= ORTH_ABS_FLOOR (nothing left after projection: a rank-deficient head)."""
-    n = tl.sqrt_rn(tl.sum(c * c, 0))
-    return tl.where(n > _ORTH_FLOOR, c / tl.maximum(n, _ORTH_FLOOR), 0.0)
+def _add10(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9):
+    """Combine function of a 10-operand sum: one reduction (one set of shuffles and barriers) for all ten."""
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, a8 + b8, a9 + b9
+
+
+if INTERPRETED:
+    @triton.jit
+    def _sum4(a0, a1, a2, a3, AXIS: tl.constexpr):
+        """Four sums along AXIS (the interpreter runs a custom combine function element by element: too slow)."""
+        return tl.sum(a0, AXIS), tl.sum(a1, AXIS), tl.sum(a2, AXIS), tl.sum(a3, AXIS)
+
+    @triton.jit
+    def _sum10(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9):
+        """Ten sums of 1-D vectors (interpreter form)."""
+        return (tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0), tl.sum(a4, 0), tl.sum(a5, 0),
+                tl.sum(a6, 0), tl.sum(a7, 0), tl.sum(a8, 0), tl.sum(a9, 0))
+else:
+    @triton.jit
+    def _sum4(a0, a1, a2, a3, AXIS: tl.constexpr):
+        """Four sums along AXIS as ONE 4-operand reduction."""
+        return tl.reduce((a0, a1, a2, a3), AXIS, _add4)
+
+    @triton.jit
+    def _sum10(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9):
+        """Ten sums of 1-D vectors as ONE 10-operand reduction."""
+        return tl.reduce((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9), 0, _add10)
+
+
+@triton.jit
+def _inv_pivot(d, g):
+    """1 / sqrt of the Cholesky pivot d (column j's squared norm left after the earlier columns), the pivot floored at
+    RELATIVE_FLOOR * g (g = G_jj: the column's own squared norm) and at ABS_FLOOR. One MUFU.RSQ (~2 ulp): the second
+    pass renormalises whatever the first leaves, and the second's own ulps are far below the fp16 token rounding."""
+    return tl.math.rsqrt(tl.maximum(tl.maximum(d, _REL_FLOOR * g), _ABS_FLOOR))
+
+
+@triton.jit
+def _cholqr(x0, x1, x2, x3):
+    """One CholeskyQR pass over four columns x_j (1-D vectors of one layout): the 10 entries of G = X^T X in ONE
+    multi-operand reduction, the Cholesky factor G = L L^T on scalars (pivots floored: _inv_pivot), then X L^-T by
+    forward substitution, elementwise on the columns. A zero column comes out zero."""
+    g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _sum10(
+        x0 * x0, x1 * x0, x1 * x1, x2 * x0, x2 * x1, x2 * x2, x3 * x0, x3 * x1, x3 * x2, x3 * x3)
+    i00 = _inv_pivot(g00, g00)                    # i_jj = 1 / L_jj; L_ji = (G_ji - sum_{m<i} L_jm L_im) / L_ii
+    l10 = g10 * i00
+    l20 = g20 * i00
+    l30 = g30 * i00
+    i11 = _inv_pivot(g11 - l10 * l10, g11)
+    l21 = (g21 - l20 * l10) * i11
+    l31 = (g31 - l30 * l10) * i11
+    i22 = _inv_pivot(g22 - l20 * l20 - l21 * l21, g22)
+    l32 = (g32 - l30 * l20 - l31 * l21) * i22
+    i33 = _inv_pivot(g33 - l30 * l30 - l31 * l31 - l32 * l32, g33)
+    y0 = x0 * i00
+    y1 = (x1 - l10 * y0) * i11
+    y2 = (x2 - l20 * y0 - l21 * y1) * i22
+    y3 = (x3 - l30 * y0 - l31 * y1 - l32 * y2) * i33
+    return y0, y1, y2, y3
 
 
 @triton.jit
 def _orthonormalize(c0, c1, c2, c3):
-    """Gram-Schmidt of four columns with every projection applied twice (as the reference): orthonormal to working
-    precision even for nearly rank-deficient inputs."""
-    c0 = _unit(c0)
-    for _ in tl.static_range(2):
-        c1 = _minus_proj(c1, c0)
-    c1 = _unit(c1)
-    for _ in tl.static_range(2):
-        c2 = _minus_proj(c2, c0)
-        c2 = _minus_proj(c2, c1)
-    c2 = _unit(c2)
-    for _ in tl.static_range(2):
-        c3 = _minus_proj(c3, c0)
-        c3 = _minus_proj(c3, c1)
-        c3 = _minus_proj(c3, c2)
-    c3 = _unit(c3)
-    return c0, c1, c2, c3
+    """CholeskyQR2 (SPEC section 2): two CholeskyQR passes. The first leaves columns orthogonal up to
+    ~eps * cond(X)^2 (the floor bounds what a rank-deficient column can blow up to); the second, on a nearly
+    orthonormal input, brings them to working precision."""
+    c0, c1, c2, c3 = _cholqr(c0, c1, c2, c3)
+    return _cholqr(c0, c1, c2, c3)
 
 
 if INTERPRETED:
@@ -146,9 +200,10 @@ def _store_token(tok, r, U_r, Q_r, rk, rv):
 
 
 @triton.jit
-def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
+def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
                slot, head, H, SS, IS_KDA: tl.constexpr, ALIGN: tl.constexpr):
-    """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]."""
+    """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]; scratch: this persistent
+    program's L x K fp32 staging rows."""
     rv = tl.arange(0, _V)
     rk = tl.arange(0, _K)
     # first fp32 word of the (slot, head) region, and the row of the dense window tensors. The alignment hints
@@ -184,7 +239,6 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
         gate = tl.exp(tl.load(gp + rk))                         # [K]
         col = s_k / _QMAX * gate
         row = s_v
-        decay = tl.full([_K], 1.0, tl.float32)                 # D_j = prod_{i > j} gbuf[i], built from the last entry
     else:
         gate = tl.load(gate_ptr + prog)                         # scalar p
         col = s_k / _QMAX
@@ -194,13 +248,21 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
         u_old = tl.load(tok + r * _TOK_ROW + rk).to(tl.float32) * gate
         q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32)
         S += q_old[:, None] * u_old[None, :]
-    for i in tl.static_range(_L):
-        j = _L - 1 - i
-        keys = tl.load(kb + j * _K + rk).to(tl.float32) * tl.load(wp + j)
-        if IS_KDA:
-            keys = keys * decay
-            decay = decay * tl.load(gb + j * _K + rk).to(tl.float32)
-        S += tl.load(ub + j * _V + rv).to(tl.float32)[:, None] * keys[None, :]
+    # the window's effective keys kbuf[j] * w[j] * D_j as one [L, K] tile (8 elements per thread, none replicated; D_j
+    # an exclusive reverse product scan of gbuf), staged through this program's scratch rows: built in the 1-D key
+    # layout of S's columns every thread would compute all 16 x 16 of its keys, 32 copies of the same work.
+    # The barrier before the stores keeps the previous item's readers ahead (its later reductions already are); the
+    # one after publishes the rows to every warp (bar.sync orders global memory within the block).
+    rl = tl.arange(0, _L)
+    keys = tl.load(kb + rl[:, None] * _K + rk[None, :]).to(tl.float32) * tl.load(wp + rl)[:, None]
+    if IS_KDA:
+        g_next = tl.load(gb + (rl[:, None] + 1) * _K + rk[None, :], mask=rl[:, None] + 1 < _L, other=1.0)
+        keys = keys * tl.cumprod(g_next.to(tl.float32), 0, reverse=True)      # D_j = prod_{i > j} gbuf[i]
+    tl.debug_barrier()
+    tl.store(scratch + rl[:, None] * _K + rk[None, :], keys)
+    tl.debug_barrier()
+    for j in tl.static_range(_L):
+        S += tl.load(ub + j * _V + rv).to(tl.float32)[:, None] * tl.load(scratch + j * _K + rk)[None, :]
 
     # ---- (2) one subspace iteration from q0: P = orth(S^T q0) [K, R], Q = orth(S P) [V, R], U = S^T Q [K, R] ----
     # (q0's columns are re-read per item from L1/L2: held across the item loop they cost 4 row vectors of registers)
@@ -208,22 +270,13 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     q0c1 = tl.load(q0_ptr + rv * _R + 1)
     q0c2 = tl.load(q0_ptr + rv * _R + 2)
     q0c3 = tl.load(q0_ptr + rv * _R + 3)
-    p0 = tl.sum(S * q0c0[:, None], 0)
-    p1 = tl.sum(S * q0c1[:, None], 0)
-    p2 = tl.sum(S * q0c2[:, None], 0)
-    p3 = tl.sum(S * q0c3[:, None], 0)
+    p0, p1, p2, p3 = _sum4(S * q0c0[:, None], S * q0c1[:, None], S * q0c2[:, None], S * q0c3[:, None], 0)
     p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3)
-    c0 = tl.sum(S * p0[None, :], 1)
-    c1 = tl.sum(S * p1[None, :], 1)
-    c2 = tl.sum(S * p2[None, :], 1)
-    c3 = tl.sum(S * p3[None, :], 1)
+    c0, c1, c2, c3 = _sum4(S * p0[None, :], S * p1[None, :], S * p2[None, :], S * p3[None, :], 1)
     c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
     # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
     # (every U column before the residual: S then dies into E in place instead of both living at once)
-    U0 = tl.sum(S * c0[:, None], 0)
-    U1 = tl.sum(S * c1[:, None], 0)
-    U2 = tl.sum(S * c2[:, None], 0)
-    U3 = tl.sum(S * c3[:, None], 0)
+    U0, U1, U2, U3 = _sum4(S * c0[:, None], S * c1[:, None], S * c2[:, None], S * c3[:, None], 0)
     u0, q0_ = _store_token(tok, 0, U0, c0, rk, rv)
     u1, q1_ = _store_token(tok, 1, U1, c1, rk, rv)
     u2, q2_ = _store_token(tok, 2, U2, c2, rk, rv)
@@ -234,8 +287,13 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     E = E - q3_[:, None] * u3[None, :]
 
     # ---- (5) smoothing: s_k = max(sqrt(mean_v |E|), eps); x = E / s_k; s_v = max(max_k |x|, eps) ----
-    s_k = tl.maximum(tl.sqrt_rn(tl.sum(tl.abs(E), 0) / _V), _EPS)
-    x = E * (1.0 / s_k)[None, :]
+    # (one MUFU.RSQ per column instead of a rounded sqrt and a division: m * rsqrt(m) is sqrt(m) to ~2 ulp, and the
+    #  stored s_k and the 1 / s_k the codes are made with agree to those ulps, far below the codes' resolution.
+    #  m is floored at EPS^2 (fp32-normal) first, so an all-zero column gets s_k = EPS and 1 / s_k = 1 / EPS.)
+    m = tl.maximum(tl.sum(tl.abs(E), 0) * (1.0 / _V), _EPS * _EPS)
+    inv_sk = tl.math.rsqrt(m)
+    s_k = tl.maximum(m * inv_sk, _EPS)
+    x = E * inv_sk[None, :]
     s_v = tl.maximum(tl.max(tl.abs(x), 1), _EPS)
     tl.store(sk_p, s_k)
     tl.store(sv_p, s_v)
@@ -265,16 +323,19 @@ def _due_item(due_ptr, ends, starts, ch, t, total, CHUNK: tl.constexpr):
 
 # ---- launch 2: flush the due programs --------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_chunks", "H", "SS"], do_not_specialize_on_alignment=["q0_ptr"])
-def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, due_ptr, count_ptr,
+def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch_ptr,
+               due_ptr, count_ptr,
                num_chunks, H, SS, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
                MAX_CHUNKS: tl.constexpr, ALIGN: tl.constexpr):
     """Persistent program ``pid`` of ``G``: flushes due items pid, pid + G, ... of the list written by _mark_due.
 
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
     for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], the due list int32
-    [MAX_CHUNKS * CHUNK] and its counts int32 [MAX_CHUNKS] (the first num_chunks are this call's)."""
+    [MAX_CHUNKS * CHUNK] and its counts int32 [MAX_CHUNKS] (the first num_chunks are this call's); scratch fp32
+    [G, L, K]: rows of program pid are its own (the window's effective keys, staged per item)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    scratch = scratch_ptr + pid * (_L * _K)
     ch = tl.arange(0, MAX_CHUNKS)
     n_c = tl.load(count_ptr + ch, mask=ch < num_chunks, other=0)
     ends = tl.cumsum(n_c, 0)                       # items in chunks 0..c
@@ -285,7 +346,7 @@ def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     while t < total:                               # (a while loop: the interpreter cannot range over tensors)
         t_next = t + G
         code_next = _due_item(due_ptr, ends, starts, ch, t_next, total, CHUNK)   # in flight during this item
-        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
+        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
                    code // H, code % H, H, SS, IS_KDA, ALIGN)
         code = code_next
         t = t_next
@@ -320,6 +381,7 @@ class _Workspace:
     raw_i8: torch.Tensor
     raw_f16: torch.Tensor
     programs: int = 0              # persistent programs resident at once (0: not measured yet)
+    scratch: torch.Tensor | None = None   # fp32 [programs, L, K]: each persistent program's key rows (made with programs)
 
 
 _WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
@@ -351,7 +413,10 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tu
     kda = pool.gate == "kda"
     gate = pool.pcum if kda else pool.p
     gbuf = pool.gbuf if kda else pool.p          # GDN: a placeholder the kernel never reads
-    return (pool.raw, ws.raw_i8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, ws.due, ws.count,
+    # before the grid size is known (compiling to read the registers) one program's rows stand in: same type and
+    # alignment, so the same compilation; no program is launched with them
+    scratch = ws.scratch if ws.scratch is not None else ws.due.new_zeros(L * K, dtype=torch.float32)
+    return (pool.raw, ws.raw_i8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, scratch, ws.due, ws.count,
             chunks, pool.num_heads, slot_stride(pool.num_heads))
 
 
@@ -395,6 +460,7 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         if _capturing(pool):
             raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
         ws.programs = _resident_programs(pool, ws, q0)
+        ws.scratch = torch.empty(ws.programs * L * K, dtype=torch.float32, device=pool.device)
     chunks = math.ceil(N * H / CHUNK)
     _mark_due[(chunks,)](idx, pool.hcnt, ws.due, ws.count, N, pool.num_slots, H, CHUNK=CHUNK,
                          num_warps=MARK_WARPS)
