@@ -15,7 +15,8 @@ from hypothesis import given, strategies as st
 import leapquant as lq
 from leapquant import criterion, families, reference
 from leapquant.layout import CHECKPOINT_BYTES, L, OFF, REGION_WORDS, Pool
-from helpers import POISON_CODE, assert_flush_footprint, fill_noise, snapshot
+from helpers import (POISON_CODE, assert_flush_footprint, due_programs, fill_noise, judge_programs, noisy_pool,
+                     program_inputs, snapshot)
 
 pytest.importorskip("triton")
 from leapquant import triton as lq_triton  # noqa: E402  (registers the backend)
@@ -68,64 +69,17 @@ def test_hard_families(family):
 
 
 # ---- the deployment form: footprint, poison, skipped rows ------------------------------------------------------------
-def _due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    idx_l = idx.long().cpu()
-    ok = (idx_l > 0) & (idx_l < pool.num_slots)
-    slots = idx_l[ok]
-    due = pool.hcnt.cpu()[slots] == L
-    rows, heads = due.nonzero(as_tuple=True)
-    return slots[rows], heads
-
-
-def _inputs_of(pool: Pool, slots: torch.Tensor, heads: torch.Tensor):
-    """Copies of the checkpoint and window of programs (slots[i], heads[i]) with a leading [1, n] dim."""
-    s, h = slots.to(pool.device), heads.to(pool.device)
-    tok = pool.tokens[s, h]
-    ck = (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K], tok[..., lq.K:])
-    win = (pool.kbuf[s, h], pool.ubuf[s, h], pool.w[s, h])
-    gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])
-    add = lambda t: t.clone().unsqueeze(0)  # noqa: E731
-    return tuple(map(add, ck)), tuple(map(add, win)), {k: add(v) for k, v in gate.items()}
-
-
-def _judge_programs(pool: Pool, slots, heads, inputs, q0) -> criterion.Verdict:
-    """Judge the checkpoints now in the pool at (slots, heads) against the inputs they were flushed from."""
-    ck, win, gate = inputs
-    S = criterion.exact_state(*ck, *win, **gate)
-    ref = reference.compress(reference.rebuild(*ck, *win, **gate), q0)
-    s, h = slots.to(pool.device), heads.to(pool.device)
-    tok = pool.tokens[s, h]
-    out = tuple(t.unsqueeze(0) for t in (pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :lq.K],
-                                         tok[..., lq.K:]))
-    return criterion.judge(S, out, ref, name="triton")
-
-
-def _make_pool(gate: str, heads: int, seed: int, num_slots: int = 7) -> tuple[Pool, torch.Tensor]:
-    """A noise-filled pool (every byte random, so stray writes show) with family data in slots 2, 3, 5 and a mix of
-    due and not-due programs; idx has skipped rows (0) and one row whose programs are due but not in idx (slot 4)."""
-    pool = Pool(num_slots, heads, device=DEVICE, gate=gate)
-    fill_noise(pool, seed=seed)
-    case = families.make_case(3, heads, gate, seed=seed).to(DEVICE)
-    case.load_into(pool, [2, 3, 5])
-    g = torch.Generator().manual_seed(seed)
-    pool.hcnt[2] = torch.where(torch.rand(heads, generator=g) < 0.5, L, L - 1).to(DEVICE, torch.int32)
-    pool.hcnt[4] = L                                          # due, but its row is not in idx
-    pool.hcnt[0] = L                                          # slot 0 is never flushed
-    idx = torch.tensor([3, 0, 2, 5, 0], dtype=torch.int32, device=DEVICE)
-    return pool, idx
-
-
 @given(gate=gates, heads=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_footprint_and_criterion(gate, heads, seed):
     """Due programs rewritten (and pass the criterion), windows reset, every other byte untouched: non-due
     programs, slot 0, rows not in idx, the spare head region, the bytes past each checkpoint, hcnt."""
-    pool, idx = _make_pool(gate, heads, seed)
-    slots, hs = _due_programs(pool, idx)
-    inputs = _inputs_of(pool, slots, hs)
+    pool, idx = noisy_pool(gate, heads, seed, DEVICE)
+    slots, hs = due_programs(pool, idx)
+    inputs = program_inputs(pool, slots, hs)
     before = snapshot(pool)
     lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
     assert_flush_footprint(pool, before, slots, hs)
-    v = _judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE))
+    v = judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE), "triton")
     assert v.passed, v.message
 
 
@@ -134,8 +88,8 @@ def test_poisoned_checkpoints_are_all_written(gate):
     """Due checkpoints start as 0x7f codes with scales and tokens that decode to zero (finite: they are also the
     input); after the flush no due program keeps the poison, its scales are >= eps, its tokens finite."""
     heads = 3
-    pool, idx = _make_pool(gate, heads, seed=5)
-    slots, hs = _due_programs(pool, idx)
+    pool, idx = noisy_pool(gate, heads, 5, DEVICE)
+    slots, hs = due_programs(pool, idx)
     s, h = slots.to(DEVICE), hs.to(DEVICE)
     pool.codes[s, h] = POISON_CODE
     pool.s_k[s, h] = 0.0
@@ -144,13 +98,13 @@ def test_poisoned_checkpoints_are_all_written(gate):
     # programs that are not flushed get NaN scales: they must neither change nor leak into the due ones
     pool.s_k[4, 0] = float("nan")                             # due, but its row is not in idx
     pool.s_v[0, 0] = float("nan")                             # slot 0
-    inputs = _inputs_of(pool, slots, hs)
+    inputs = program_inputs(pool, slots, hs)
     before = snapshot(pool)
     lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
     assert_flush_footprint(pool, before, slots, hs)
     assert bool((pool.s_k[s, h] >= lq.EPS).all()) and bool((pool.s_v[s, h] >= lq.EPS).all())
     assert not bool((pool.codes[s, h] == POISON_CODE).all(dim=-1).all(dim=-1).any())
-    v = _judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE))
+    v = judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE), "triton")
     assert v.passed, v.message
 
 
@@ -158,7 +112,7 @@ def test_poisoned_checkpoints_are_all_written(gate):
 def test_skipped_rows_change_nothing(gate):
     """idx of only 0 rows, and (calling the backend directly, as under graph capture where the API cannot check
     values) out-of-range slots: nothing moves."""
-    pool, _ = _make_pool(gate, 2, seed=9)
+    pool, _ = noisy_pool(gate, 2, 9, DEVICE)
     pool.hcnt.fill_(L)
     before = snapshot(pool)
     q0 = lq.default_q0(DEVICE)
@@ -184,7 +138,7 @@ def test_due_list_spans_chunks(heads):
     for s_, h_ in picks:
         pool.hcnt[s_, h_] = L
     idx = idx.to(DEVICE)
-    slots, hs = _due_programs(pool, idx)
+    slots, hs = due_programs(pool, idx)
     assert len(slots) == 3
     before = snapshot(pool)
     lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
@@ -194,8 +148,8 @@ def test_due_list_spans_chunks(heads):
 def test_second_call_keeps_state():
     """hcnt stays L after a flush, so a second call flushes the same programs with empty windows: the decoded state
     barely moves (one more re-compression)."""
-    pool, idx = _make_pool("kda", 2, seed=4)
-    slots, hs = _due_programs(pool, idx)
+    pool, idx = noisy_pool("kda", 2, 4, DEVICE)
+    slots, hs = due_programs(pool, idx)
     q0 = lq.default_q0(DEVICE)
     lq.flush_inplace(pool, idx, q0, backend="triton")
     s, h = slots.to(DEVICE), hs.to(DEVICE)
@@ -257,12 +211,12 @@ def test_gpu_graph_replay(gate):
         case.load_into(pool, [3, 7, 11, 9])                   # slot 9 is not in idx: must stay untouched
         due = torch.rand(pool.num_slots, heads, generator=g) < frac
         pool.hcnt.copy_(torch.where(due, L, L - 1 - rep).to(DEVICE, torch.int32))
-        slots, hs = _due_programs(pool, idx)
-        inputs = _inputs_of(pool, slots, hs)
+        slots, hs = due_programs(pool, idx)
+        inputs = program_inputs(pool, slots, hs)
         before = snapshot(pool)
         graph.replay()
         torch.cuda.synchronize()
         assert_flush_footprint(pool, before, slots, hs)
         if len(slots):
-            v = _judge_programs(pool, slots, hs, inputs, q0)
+            v = judge_programs(pool, slots, hs, inputs, q0, "triton")
             assert v.passed, f"replay {rep}: {v.message}"
