@@ -11,9 +11,9 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_ea11bea_tilelang.md (TileLang, KDA all due: 48.0 / 165.3 / 609.6 / 1198.5 us at batch
-#: 16 / 64 / 256 / 512) against bench/results/h200_3ccdabf-dirty_seed-reference-triton.md (Triton: 146.3 / 579.4 /
-#: 2265.3 / 4511.8 us); TileLang is also faster at 1/16 due and none due at every batch: it is preferred from batch 1
+#: source: bench/results/h200_b1c3f37_all-backends.md (one run, KDA and GDN): TileLang all due 48.0 / 155.7 / 561.1 /
+#: 1102.4 us at batch 16 / 64 / 256 / 512 against Triton's 114.3 / 439.1 / 1685.2 / 3324.0 us, and faster at 1/16 due
+#: and none due at every batch too: it is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
 
