@@ -37,7 +37,7 @@ def _info(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     """Simulate KDA/GDN decoding for a batch of sequences, flush every window, judge every flush."""
     import leapquant as lq
-    from . import dispatch, families, layout
+    from . import families, layout
     from .criterion import judge
     from .reference import compress, rebuild
 

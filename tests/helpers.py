@@ -138,3 +138,41 @@ def noisy_pool(gate: str, heads: int, seed: int, device, num_slots: int = 7) -> 
     pool.hcnt[4] = L
     pool.hcnt[0] = L
     return pool, torch.tensor([3, 0, 2, 5, 0], dtype=torch.int32, device=device)
+
+
+def check_graph_replay(backend: str, gate: str, heads: int, device) -> None:
+    """The call captured once in a CUDA graph and replayed with different hcnt: each replay flushes exactly the
+    programs due then (judged by the criterion), and a replay with nothing due changes nothing."""
+    import leapquant as lq
+    from leapquant import families
+    pool = Pool(12, heads, device=device, gate=gate)
+    fill_noise(pool, seed=1)
+    idx = torch.tensor([3, 0, 7, 1, 11, 5], dtype=torch.int32, device=device)
+    q0 = lq.default_q0(device)
+    lq.warmup(pool, backend=backend)
+    pool.hcnt.zero_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            lq.flush_inplace(pool, idx, q0, backend=backend)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    none = torch.zeros(0, dtype=torch.long)
+    assert_flush_footprint(pool, snapshot(pool), none, none)      # capturing ran nothing
+    g = torch.Generator().manual_seed(2)
+    for rep, frac in enumerate((0.0, 1.0 / 16, 0.5, 1.0)):
+        case = families.make_case(4, heads, gate, seed=rep).to(device)
+        case.load_into(pool, [3, 7, 11, 9])                       # slot 9 is not in idx: must stay untouched
+        due = torch.rand(pool.num_slots, heads, generator=g) < frac
+        pool.hcnt.copy_(torch.where(due, L, L - 1 - rep).to(device, torch.int32))
+        slots, hs = due_programs(pool, idx)
+        inputs = program_inputs(pool, slots, hs)
+        before = snapshot(pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_flush_footprint(pool, before, slots, hs)
+        if len(slots):
+            v = judge_programs(pool, slots, hs, inputs, q0, backend)
+            assert v.passed, f"replay {rep}: {v.message}"

@@ -16,7 +16,7 @@ import torch
 import leapquant as lq
 from leapquant import criterion, dispatch, families, reference
 from leapquant.layout import L, Pool
-from helpers import (POISON_CODE, assert_flush_footprint, due_programs, fill_noise, judge_programs, noisy_pool,
+from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, judge_programs, noisy_pool,
                      program_inputs, snapshot)
 
 tilelang = pytest.importorskip("tilelang")
@@ -202,38 +202,9 @@ def test_gpu_out_of_range_slots_are_skipped():
 @needs_cuda
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_gpu_graph_replay(gate):
-    """Captured once, replayed with different due sets: each replay flushes exactly the programs due then."""
-    heads = 32
-    _skip_unless_served(heads, gate)
-    pool = Pool(12, heads, device=DEVICE, gate=gate)
-    fill_noise(pool, seed=1)
-    idx = torch.tensor([3, 0, 7, 1, 11, 5], dtype=torch.int32, device=DEVICE)
-    q0 = lq.default_q0(DEVICE)
-    lq.warmup(pool, backend="tilelang")
-    pool.hcnt.zero_()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            lq.flush_inplace(pool, idx, q0, backend="tilelang")
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.Generator().manual_seed(2)
-    for rep, frac in enumerate((0.0, 1.0 / 16, 0.5, 1.0)):
-        case = families.make_case(4, heads, gate, seed=rep).to(DEVICE)
-        case.load_into(pool, [3, 7, 11, 9])
-        due = torch.rand(pool.num_slots, heads, generator=g) < frac
-        pool.hcnt.copy_(torch.where(due, L, L - 1 - rep).to(DEVICE, torch.int32))
-        slots, hs = due_programs(pool, idx)
-        inputs = program_inputs(pool, slots, hs)
-        before = snapshot(pool)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_flush_footprint(pool, before, slots, hs)
-        if len(slots):
-            v = judge_programs(pool, slots, hs, inputs, q0, "tilelang")
-            assert v.passed, f"replay {rep}: {v.message}"
+    """Captured once, replayed with different due sets (tests/helpers.check_graph_replay)."""
+    _skip_unless_served(32, gate)
+    check_graph_replay("tilelang", gate, 32, DEVICE)
 
 
 @gpu
