@@ -34,20 +34,10 @@ SETS = 8                  #: disjoint slot sets flushed in rotation (L2-cold)
 SLEEP_CYCLES = 20_000_000  #: ~10 ms at 2 GHz: the queue fills behind it
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    del a, b
-    return 2 * nbytes / statistics.median(times[2:])
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second: the benchmark CLI's measurement."""
+    from leapquant.bench import copy_bandwidth as measure
+    return measure(torch.device("cuda"))[0]
 
 
 def fill(pool: Pool, g: torch.Generator) -> None:

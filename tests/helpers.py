@@ -25,12 +25,14 @@ def checkpoint_byte_mask(pool: Pool, slots: torch.Tensor, heads: torch.Tensor) -
     return mask
 
 
-def poison_checkpoints(pool: Pool, slots: torch.Tensor, heads: torch.Tensor) -> None:
-    """NaN scales and tokens, 0x7f codes in the checkpoints of the given programs."""
-    pool.codes[slots, heads] = POISON_CODE
-    pool.s_k[slots, heads] = float("nan")
-    pool.s_v[slots, heads] = float("nan")
-    pool.tokens[slots, heads] = float("nan")
+def poison_due_checkpoints(pool: Pool, slots: torch.Tensor, heads: torch.Tensor) -> None:
+    """0x7f codes with scales and tokens that decode to zero in the given (due) programs: finite, because in the
+    in-place form the checkpoint is also the flush's input; a flush must leave none of it behind."""
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    pool.codes[s, h] = POISON_CODE
+    pool.s_k[s, h] = 0.0
+    pool.s_v[s, h] = 0.0
+    pool.tokens[s, h] = 0.0
 
 
 def fill_noise(pool: Pool, seed: int = 0) -> None:

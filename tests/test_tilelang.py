@@ -16,8 +16,8 @@ import torch
 import leapquant as lq
 from leapquant import criterion, dispatch, families, reference
 from leapquant.layout import L, Pool
-from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, judge_programs, noisy_pool,
-                     program_inputs, snapshot)
+from helpers import (assert_flush_footprint, check_graph_replay, due_programs, judge_programs, noisy_pool,
+                     poison_due_checkpoints, program_inputs, snapshot)
 
 tilelang = pytest.importorskip("tilelang")
 from leapquant import tilelang as lq_tl  # noqa: E402  (registers the backend)
@@ -168,10 +168,7 @@ def test_gpu_footprint_and_poison(gate, heads):
     pool, idx = noisy_pool(gate, heads, 5 + heads, DEVICE)
     slots, hs = due_programs(pool, idx)
     s, h = slots.to(DEVICE), hs.to(DEVICE)
-    pool.codes[s, h] = POISON_CODE
-    pool.s_k[s, h] = 0.0
-    pool.s_v[s, h] = 0.0
-    pool.tokens[s, h] = 0.0
+    poison_due_checkpoints(pool, slots, hs)
     pool.s_k[4, 0] = float("nan")
     pool.s_v[0, 0] = float("nan")
     inputs = program_inputs(pool, slots, hs)

@@ -15,8 +15,8 @@ from hypothesis import given, strategies as st
 import leapquant as lq
 from leapquant import criterion, families, reference
 from leapquant.layout import CHECKPOINT_BYTES, L, OFF, REGION_WORDS, Pool
-from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, fill_noise, judge_programs,
-                     noisy_pool, program_inputs, snapshot)
+from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, fill_noise,
+                     judge_programs, noisy_pool, poison_due_checkpoints, program_inputs, snapshot)
 
 pytest.importorskip("triton")
 from leapquant import triton as lq_triton  # noqa: E402  (registers the backend)
@@ -91,10 +91,7 @@ def test_poisoned_checkpoints_are_all_written(gate):
     pool, idx = noisy_pool(gate, heads, 5, DEVICE)
     slots, hs = due_programs(pool, idx)
     s, h = slots.to(DEVICE), hs.to(DEVICE)
-    pool.codes[s, h] = POISON_CODE
-    pool.s_k[s, h] = 0.0
-    pool.s_v[s, h] = 0.0
-    pool.tokens[s, h] = 0.0
+    poison_due_checkpoints(pool, slots, hs)
     # programs that are not flushed get NaN scales: they must neither change nor leak into the due ones
     pool.s_k[4, 0] = float("nan")                             # due, but its row is not in idx
     pool.s_v[0, 0] = float("nan")                             # slot 0
