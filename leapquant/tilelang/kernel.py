@@ -32,19 +32,37 @@ from ..layout import (CHECKPOINT_BYTES, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGIO
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
 
-#: threads of one consumer group: a 16 x 16 grid of threads, each owning an 8 x 8 tile of the 128 x 128 state
+#: threads of one consumer group: 8 warps, each thread owning 8 rows x 8 columns of the 128 x 128 state
 GROUP_THREADS = 256
 TILE = 8
 TILE_BITS = 3                           # log2(TILE)
-TILES_PER_SIDE = V // TILE              # 16: rows (and columns) of the thread grid
+TILES_PER_SIDE = V // TILE              # 16: partial sums per output of a product (reduction planes)
+#: The state lives in the accumulator layout of the tensor cores' mma.m16n8 (fp32 C fragments), so that the rank
+#: updates (old tokens, window, new tokens) run as mma.sync. A group's 8 warps form 2 row bands x 4 column bands;
+#: a warp's 64 x 32 block is 4 x 4 mma tiles of 16 x 8. Lane = 4 * grp + quad: the thread holds rows
+#: band + grp + 8 i (i < 8: two rows per 16-row mma tile) and, because the columns of an n-tile are free to be any
+#: physical columns (B's columns are staged in the same order), eight *contiguous* columns 32 wc + 8 quad + j: its
+#: n-tile nt holds columns j = 2 nt, 2 nt + 1. Contiguous columns keep the int8 codes at 8 bytes per row and thread.
+MMA_M, MMA_N = 16, 8
+ROW_BANDS, COL_BANDS = 2, 4             # warps of a group down the rows, across the columns
+BAND_ROWS = V // ROW_BANDS              # 64
+BAND_COLS = K // COL_BANDS              # 32
+QUADS = 4                               # lanes sharing an mma row (threadID_in_group of the PTX fragment tables)
+ROW_STEP = MMA_M // 2                   # 8: a thread's rows are grp + 8 i
+M_TILES = BAND_ROWS // MMA_M            # 4 mma tiles down a warp's rows
+N_TILES = TILE // 2                     # 4 mma n-tiles per thread column octet (two columns each)
+#: bf16 parts of an fp32 window key: hi + mid + lo carries 24 significant bits (3 x 8), the whole fp32 mantissa, so
+#: the window update on bf16 tensor cores (ubuf is bf16 already; bf16 x bf16 products are exact in fp32) is fp32-exact
+#: up to the accumulation order
+KEY_PARTS = 3
+PAIRS = L // 2                          # bf16/fp16 pairs along the window (k of the mma): one 32-bit word each
+TOKEN_PAIRS = 4                         # rank-4 tokens as the k = 8 operand of mma.m16n8k8: pairs 2, 3 stay zero
 #: consumer groups per CTA: 2 x 256 threads = 512, so __launch_bounds__(512) caps registers at 128 per thread and
 #: exactly one CTA fits an SM (the grid is one CTA per SM: the persistent design needs every CTA resident)
 GROUPS = 2
 CTA_THREADS = GROUPS * GROUP_THREADS
 WARP = 32
 WARP_LEVELS = 5                         # butterfly levels of a reduction over the 32 lanes of a warp
-BYTE_BITS, BYTE_MASK = 8, 0xFF          # int8 codes packed four to an int32 word, little-endian
-WARP_TILE_ROWS = WARP // (V // TILE)    # 2: rows of the thread grid per warp (16 lanes span a row of tiles)
 FIRST_GROUP_BARRIER = 1                 # named barrier ids 1.. belong to the groups (0 is __syncthreads)
 #: CholeskyQR2 (SPEC section 2): X <- X L^-T with L L^T = X^T X, twice. The first pass leaves columns orthonormal to
 #: about eps * cond(X)^2 (after the pivot floor, cond of its output is small), the second to working precision
@@ -86,6 +104,51 @@ TILE_WORDS = TILE // CODES_PER_WORD      # 2: the code words of one row of a thr
 assert CHECKPOINT_BYTES == TOK_BYTE + 2 * R * TOK_ROW and R == 4 and V == K == 128 and L == 16
 
 
+#: Device helpers the kernel calls (T.call_extern): PTX the TileLang language does not spell. Packing converts with
+#: cvt.rn.{bf16,f16}x2.f32 (its first source goes to the upper half, the mma's higher k index); the mma wrappers take
+#: the accumulator by pointer so that one call updates four registers of the thread's state tile in place.
+PRELUDE = r"""
+__device__ __forceinline__ unsigned lq_pack_bf16x2(float lo, float hi) {
+  unsigned d; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo)); return d;
+}
+__device__ __forceinline__ unsigned lq_pack_f16x2(float lo, float hi) {
+  unsigned d; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo)); return d;
+}
+__device__ __forceinline__ float lq_bf16_round(float x) {
+  unsigned d; asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(x)); return __uint_as_float(d << 16);
+}
+// part 0, 1, 2 of the bf16 split x = hi + mid + lo of two keys, packed (each difference is exact in fp32)
+__device__ __forceinline__ unsigned lq_key_part(float k0, float k1, int part) {
+  float h0 = lq_bf16_round(k0), h1 = lq_bf16_round(k1);
+  if (part == 0) return lq_pack_bf16x2(h0, h1);
+  float r0 = k0 - h0, r1 = k1 - h1;
+  float m0 = lq_bf16_round(r0), m1 = lq_bf16_round(r1);
+  if (part == 1) return lq_pack_bf16x2(m0, m1);
+  return lq_pack_bf16x2(r0 - m0, r1 - m1);
+}
+// byte b (0..3) of a word of int8 codes, as a float
+__device__ __forceinline__ float lq_code(int word, int b) {
+  return (float)(signed char)((unsigned)word >> (8 * b));
+}
+// four values rounded half to even and packed as int8 bytes, little-endian; |x| <= 127 * (1 + 2^-22) by construction
+__device__ __forceinline__ int lq_pack_codes(float x0, float x1, float x2, float x3) {
+  unsigned lo = __byte_perm(__float2int_rn(x0), __float2int_rn(x1), 0x0040);
+  unsigned hi = __byte_perm(__float2int_rn(x2), __float2int_rn(x3), 0x0040);
+  return (int)__byte_perm(lo, hi, 0x5410);
+}
+__device__ __forceinline__ void lq_mma_bf16(float* c0, float* c1, float* c2, float* c3, unsigned a0, unsigned a1,
+                                            unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(*c0), "+f"(*c1), "+f"(*c2), "+f"(*c3) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void lq_mma_f16_k8(float* c0, float* c1, float* c2, float* c3, unsigned a0, unsigned a1,
+                                              unsigned b0) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(*c0), "+f"(*c1), "+f"(*c2), "+f"(*c3) : "r"(a0), "r"(a1), "r"(b0));
+}
+"""
+
+
 @dataclass(frozen=True)
 class FlushConfig:
     """Everything a compiled kernel depends on (the cache key)."""
@@ -113,11 +176,12 @@ class FlushConfig:
 
 def shared_bytes(cfg: FlushConfig) -> int:
     """Static shared memory of the kernel (checked against the device's limit by ``reasons``)."""
-    per_group = 4 * (2 * L * V            # window values, decayed keys
-                     + TILES_PER_SIDE * R * V  # reduction partials
-                     + 2 * V * R           # P and Q
-                     + 4 * R * V           # old u (gated), old q, new u, new q
-                     + 6 * V               # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
+    per_group = 4 * (KEY_PARTS * PAIRS * K   # window keys, bf16 parts, packed in pairs
+                     + PAIRS * V                # window values, bf16 pairs
+                     + 2 * TOKEN_PAIRS * V      # tokens (old, then new), fp16 pairs
+                     + TILES_PER_SIDE * R * V   # reduction partials
+                     + 2 * V * R                # P and Q
+                     + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
                      + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT)  # Gram partials of the orthonormalisation
     scan = 4 * (cfg.rows_per_chunk + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
     return GROUPS * per_group + 4 * V * R + scan
@@ -217,14 +281,28 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             T.sync_threads()
 
     # ---- one program: staging ---------------------------------------------------------------------------------------
+    def row_word(pair, v):
+        """Shared-memory index of row ``v`` in a plane of row-side operand words (window values, q tokens): XOR of
+        bits 3-4 by the pair, so that an A fragment (8 rows x 4 pairs per load) hits 32 different banks."""
+        return v ^ ((pair % QUADS) << 3)
+
+    def col_word(pair, c):
+        """Index of column ``c`` in a plane of column-side operand words (window keys, u tokens): XOR of bits 1-2 by
+        the pair, so that a B fragment (8 columns x 4 pairs per load) hits 32 different banks."""
+        return c ^ ((pair % QUADS) << 1)
+
     @T.macro
-    def stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, row0, col0, cw,
-                      kd_s, ub_s, ug_s, qo_s, sko_s, svo_s, gate_s, bar):
-        """Old codes into registers; scales, tokens, window and gate into shared memory; reset the window."""
+    def stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw,
+                      kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar):
+        """Old codes into registers; scales and gate into shared memory (fp32); tokens, window values and the
+        window keys (w_j kbuf_j D_j, split into bf16 hi + mid + lo) into shared memory as the packed pairs the mma
+        fragments read; reset the window."""
         base = region_word(slot, head)
         for i in T.unroll(TILE):
             for c in T.vectorized(TILE_WORDS):
-                cw[i * TILE_WORDS + c] = raw32[base + (row0 + i) * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c]
+                cw[i * TILE_WORDS + c] = raw32[base + (rbase + ROW_STEP * i) * CODE_WORDS_PER_ROW
+                                               + col0 // CODES_PER_WORD + c]
+        tok = T.alloc_local((R,), F32)
         if t < K:                                   # thread per key column
             sko_s[g, t] = rawf[base + SK_WORD + t] / QMAXF     # s_k / 127, the dequantisation step of the column
             gk = T.alloc_local((1,), F32)
@@ -234,17 +312,22 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 gk[0] = p[slot, head]
             gate_s[g, t] = gk[0]
             for r in T.unroll(R):
-                ug_s[g, r, t] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t], F32)
+                tok[r] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t], F32)
+            for pr in T.unroll(R // 2):
+                tokw_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
+            key = T.alloc_local((L,), F32)
             decay = T.alloc_local((1,), F32)        # D_j = prod_{i > j} gbuf[i], built from the last entry back
             decay[0] = 1.0
             for jj in T.unroll(L):
                 j = L - 1 - jj
-                key = T.cast(kbuf[slot, head, j, t], F32) * w[slot, head, j]
+                key[j] = T.cast(kbuf[slot, head, j, t], F32) * w[slot, head, j]
                 if KDA:
-                    kd_s[g, j, t] = key * decay[0]
+                    key[j] = key[j] * decay[0]
                     decay[0] = decay[0] * T.cast(gbuf[slot, head, j, t], F32)
-                else:
-                    kd_s[g, j, t] = key
+            for pp in T.unroll(PAIRS):
+                for part in T.unroll(KEY_PARTS):
+                    kw_s[g, part, pp, col_word(pp, t)] = T.call_extern(U32, "lq_key_part", key[2 * pp],
+                                                                       key[2 * pp + 1], part)
             if KDA:                                 # this thread read the whole column: reset it now
                 pcum[slot, head, t] = 0.0
                 for j in T.unroll(L):
@@ -253,9 +336,13 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             v = t - K
             svo_s[g, v] = rawf[base + SV_WORD + v]
             for r in T.unroll(R):
-                qo_s[g, r, v] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v], F32)
-            for j in T.unroll(L):
-                ub_s[g, j, v] = T.cast(ubuf[slot, head, j, v], F32)
+                tok[r] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v], F32)
+            for pr in T.unroll(R // 2):
+                tokw_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
+            for pp in T.unroll(PAIRS):
+                ubw_s[g, pp, row_word(pp, v)] = T.call_extern(U32, "lq_pack_bf16x2",
+                                                              T.cast(ubuf[slot, head, 2 * pp, v], F32),
+                                                              T.cast(ubuf[slot, head, 2 * pp + 1, v], F32))
         T.sync_threads(bar, GROUP_THREADS)
         if t < L:                                   # every column thread has read w
             w[slot, head, t] = 0.0
@@ -263,53 +350,77 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             if t == 0:
                 p[slot, head] = 1.0
 
+    def acc_ptr(S, mt, nt, half, e):
+        """Pointer to the state element of mma tile (mt, nt) that the C fragment's register 2 * half + e holds."""
+        return T.address_of(S[(2 * mt + half) * TILE + 2 * nt + e])
+
     @T.macro
-    def rebuild_state(S, cw, row0, col0, g, kd_s, ub_s, ug_s, qo_s, sko_s, svo_s, gate_s):
-        """S = (q_old^T u_old + codes s_k / 127 s_v) * gate + window, this thread's 8 x 8 tile."""
+    def add_token_product(S, tokw_s, g, grp, quad, band_r, band_c):
+        """S += A^T B for the rank-4 tokens in ``tokw_s[g]`` (side 1: the rows' A = q, side 0: the columns' B = u,
+        fp16 pairs), on the tensor cores: mma.m16n8k8 with k = the token rank padded to 8 by zero pairs. fp16 x fp16
+        products are exact in fp32, so this is the fp32 rank-4 update up to the order of the sums."""
+        a = T.alloc_local((M_TILES * 2,), U32)
+        bfr = T.alloc_local((1,), U32)
+        for mt in T.unroll(M_TILES):
+            r0 = band_r + MMA_M * mt + grp
+            a[2 * mt] = tokw_s[g, 1, quad, row_word(quad, r0)]
+            a[2 * mt + 1] = tokw_s[g, 1, quad, row_word(quad, r0 + ROW_STEP)]
+        for nt in T.unroll(N_TILES):
+            c = band_c + TILE * (grp // 2) + 2 * nt + grp % 2      # the physical column of B's column grp
+            bfr[0] = tokw_s[g, 0, quad, col_word(quad, c)]
+            for mt in T.unroll(M_TILES):
+                T.evaluate(T.call_extern("handle", "lq_mma_f16_k8", acc_ptr(S, mt, nt, 0, 0), acc_ptr(S, mt, nt, 0, 1),
+                                         acc_ptr(S, mt, nt, 1, 0), acc_ptr(S, mt, nt, 1, 1), a[2 * mt], a[2 * mt + 1],
+                                         bfr[0]))
+
+    @T.macro
+    def rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s):
+        """S = (codes s_k / 127 s_v + q_old^T u_old) * gate + sum_j ubuf_j (w_j kbuf_j D_j), this thread's 8 x 8
+        part: the dequantisation on the CUDA cores, both rank updates on the tensor cores."""
         colv = T.alloc_local((TILE,), F32)
-        rowv = T.alloc_local((TILE,), F32)
         for j in T.unroll(TILE):
             colv[j] = sko_s[g, col0 + j]
         for i in T.unroll(TILE):
-            sv = svo_s[g, row0 + i]
+            sv = svo_s[g, rbase + ROW_STEP * i]
             for j in T.unroll(TILE):
                 word = cw[i * TILE_WORDS + j // CODES_PER_WORD]
-                top = 3 * BYTE_BITS                                  # sign-extend byte j % 4 of the word
-                code = (word << (top - BYTE_BITS * (j % CODES_PER_WORD))) >> top
-                S[i * TILE + j] = T.cast(code, F32) * colv[j] * sv
-        for r in T.serial(R):
-            for i in T.vectorized(TILE):
-                rowv[i] = qo_s[g, r, row0 + i]
-            for j in T.vectorized(TILE):
-                colv[j] = ug_s[g, r, col0 + j]
-            for i in T.unroll(TILE):
-                for j in T.unroll(TILE):
-                    S[i * TILE + j] = S[i * TILE + j] + rowv[i] * colv[j]
+                S[i * TILE + j] = T.call_extern(F32, "lq_code", word, j % CODES_PER_WORD) * colv[j] * sv
+        add_token_product(S, tokw_s, g, grp, quad, band_r, band_c)
         for j in T.vectorized(TILE):
             colv[j] = gate_s[g, col0 + j]
         for i in T.unroll(TILE):
             for j in T.unroll(TILE):
                 S[i * TILE + j] = S[i * TILE + j] * colv[j]
-        for jw in T.serial(L):
-            for i in T.vectorized(TILE):
-                rowv[i] = ub_s[g, jw, row0 + i]
-            for j in T.vectorized(TILE):
-                colv[j] = kd_s[g, jw, col0 + j]
-            for i in T.unroll(TILE):
-                for j in T.unroll(TILE):
-                    S[i * TILE + j] = S[i * TILE + j] + rowv[i] * colv[j]
+        # the window: A = ubuf^T (rows x 16 entries, bf16), B = the keys' three bf16 parts (16 entries x columns)
+        a = T.alloc_local((M_TILES * 4,), U32)
+        bfr = T.alloc_local((2,), U32)
+        for mt in T.unroll(M_TILES):
+            r0 = band_r + MMA_M * mt + grp
+            a[4 * mt] = ubw_s[g, quad, row_word(quad, r0)]
+            a[4 * mt + 1] = ubw_s[g, quad, row_word(quad, r0 + ROW_STEP)]
+            a[4 * mt + 2] = ubw_s[g, quad + QUADS, row_word(quad, r0)]
+            a[4 * mt + 3] = ubw_s[g, quad + QUADS, row_word(quad, r0 + ROW_STEP)]
+        for nt in T.unroll(N_TILES):
+            c = band_c + TILE * (grp // 2) + 2 * nt + grp % 2
+            for part in T.unroll(KEY_PARTS):
+                bfr[0] = kw_s[g, part, quad, col_word(quad, c)]
+                bfr[1] = kw_s[g, part, quad + QUADS, col_word(quad, c)]
+                for mt in T.unroll(M_TILES):
+                    T.evaluate(T.call_extern("handle", "lq_mma_bf16", acc_ptr(S, mt, nt, 0, 0), acc_ptr(S, mt, nt, 0, 1),
+                                             acc_ptr(S, mt, nt, 1, 0), acc_ptr(S, mt, nt, 1, 1), a[4 * mt], a[4 * mt + 1],
+                                             a[4 * mt + 2], a[4 * mt + 3], bfr[0], bfr[1]))
 
     # ---- products -------------------------------------------------------------------------------------------------
     @T.macro
-    def project_columns(S, x_s, xg, g, tr, row0, col0, red_s):
-        """Partials of S^T x (x = x_s[xg]: V x R) over this tile's rows, to reduction plane ``tr``."""
+    def project_columns(S, x_s, xg, g, tr, rbase, col0, red_s):
+        """Partials of S^T x (x = x_s[xg]: V x R) over this thread's rows, to reduction plane ``tr``."""
         acc = T.alloc_local((TILE * R,), F32)
         xv = T.alloc_local((R,), F32)
         for e in T.unroll(TILE * R):
             acc[e] = 0.0
         for i in T.unroll(TILE):
             for r in T.vectorized(R):
-                xv[r] = x_s[xg, row0 + i, r]
+                xv[r] = x_s[xg, rbase + ROW_STEP * i, r]
             for j in T.unroll(TILE):
                 for r in T.unroll(R):
                     acc[j * R + r] = acc[j * R + r] + S[i * TILE + j] * xv[r]
@@ -318,7 +429,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 red_s[g, swizzled(tr, col0 + j), r] = acc[j * R + r]
 
     @T.macro
-    def project_rows(S, x_s, g, tc, row0, col0, red_s):
+    def project_rows(S, x_s, g, tc, rbase, col0, red_s):
         """Partials of S x (x: K x R) over this tile's columns, to reduction plane ``tc``."""
         acc = T.alloc_local((TILE * R,), F32)
         xv = T.alloc_local((R,), F32)
@@ -332,7 +443,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                     acc[i * R + r] = acc[i * R + r] + S[i * TILE + j] * xv[r]
         for i in T.unroll(TILE):
             for r in T.vectorized(R):
-                red_s[g, swizzled(tc, row0 + i), r] = acc[i * R + r]
+                red_s[g, swizzled(tc, rbase + ROW_STEP * i), r] = acc[i * R + r]
 
     @T.macro
     def sum_partials(red_s, g, o, out4):
@@ -406,39 +517,35 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                     x4[j] = x4[j] * lf[tri(j, j)]
 
     @T.macro
-    def emit_tokens(rawh, base, t, g, red_s, qv_s, uh_s, qh_s):
-        """u = fp16(clamp(U^T)) (U summed here from its partials) and q = fp16(Q^T) to the pool; their fp32 values
-        to shared memory for the residual."""
+    def emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s):
+        """u = fp16(clamp(U^T)) (U summed here from its partials) and q = fp16(Q^T) to the pool; the same fp16
+        values, q negated (exactly), to shared memory as the operands of the residual's rank-4 update."""
+        tok = T.alloc_local((R,), F32)
         if t < K:
             U4 = T.alloc_local((R,), F32)
             sum_partials(red_s, g, t, U4)
             for r in T.unroll(R):
                 uh = T.cast(T.min(T.max(U4[r], -FP16_MAX), FP16_MAX), F16)
                 rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t] = uh
-                uh_s[g, r, t] = T.cast(uh, F32)
+                tok[r] = T.cast(uh, F32)
+            for pr in T.unroll(R // 2):
+                tokw_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
         else:
             v = t - K
             for r in T.unroll(R):
                 qh = T.cast(qv_s[g, v, r], F16)
                 rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v] = qh
-                qh_s[g, r, v] = T.cast(qh, F32)
+                tok[r] = -T.cast(qh, F32)
+            for pr in T.unroll(R // 2):
+                tokw_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
 
     @T.macro
-    def residual(S, g, row0, col0, uh_s, qh_s):
-        """E = S - q^T u with the fp16-rounded tokens, in place, fp32."""
-        rowv = T.alloc_local((TILE,), F32)
-        colv = T.alloc_local((TILE,), F32)
-        for r in T.serial(R):
-            for i in T.vectorized(TILE):
-                rowv[i] = qh_s[g, r, row0 + i]
-            for j in T.vectorized(TILE):
-                colv[j] = uh_s[g, r, col0 + j]
-            for i in T.unroll(TILE):
-                for j in T.unroll(TILE):
-                    S[i * TILE + j] = S[i * TILE + j] - rowv[i] * colv[j]
+    def residual(S, tokw_s, g, grp, quad, band_r, band_c):
+        """E = S - q^T u with the fp16-rounded tokens, in place (tensor cores, exact products, fp32 sums)."""
+        add_token_product(S, tokw_s, g, grp, quad, band_r, band_c)
 
     @T.macro
-    def column_scales(S, rawf, base, t, g, tr, row0, col0, flat_s, skn_s, bar):
+    def column_scales(S, rawf, base, t, g, tr, col0, flat_s, skn_s, bar):
         """s_k = max(sqrt(mean_v |E|), EPS) to the pool, 1 / s_k to shared memory; then E / s_k in place (as a
         product with the reciprocal: an IEEE division per element costs more than the rest of the phase)."""
         part = T.alloc_local((TILE,), F32)
@@ -465,15 +572,15 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 S[i * TILE + j] = S[i * TILE + j] * part[j]
 
     @T.macro
-    def row_scales(S, rawf, base, t, g, tc, row0, flat_s, rsv_s, bar):
+    def row_scales(S, rawf, base, t, g, tc, rbase, flat_s, rsv_s, bar):
         """s_v = max(max_k |E / s_k|, EPS) to the pool; 127 / s_v to shared memory."""
         part = T.alloc_local((TILE,), F32)
         for i in T.unroll(TILE):
             part[i] = 0.0
             for j in T.unroll(TILE):
                 part[i] = T.max(part[i], T.abs(S[i * TILE + j]))
-        for i in T.vectorized(TILE):
-            flat_s[g, tc * V + row0 + i] = part[i]
+        for i in T.unroll(TILE):
+            flat_s[g, tc * V + rbase + ROW_STEP * i] = part[i]
         T.sync_threads(bar, GROUP_THREADS)
         if t < V:
             mx = T.alloc_local((1,), F32)
@@ -486,19 +593,19 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         T.sync_threads(bar, GROUP_THREADS)
 
     @T.macro
-    def store_codes(S, raw32, base, g, row0, col0, rsv_s):
-        """codes = round_half_even(x * 127 / s_v), clamped to +-127, four to an int32 word."""
+    def store_codes(S, raw32, base, g, rbase, col0, rsv_s):
+        """codes = round_half_even(x * 127 / s_v), four to an int32 word. No clamp: x = E / s_k with
+        s_v >= max |x| over the row, so |x * fl(127 / s_v)| <= 127 (1 + 2^-22) < 127.5 rounds into [-127, 127]."""
         packed = T.alloc_local((TILE_WORDS,), I32)
         for i in T.unroll(TILE):
-            scale = rsv_s[g, row0 + i]
+            row = rbase + ROW_STEP * i
+            scale = rsv_s[g, row]
             for c in T.unroll(TILE_WORDS):
-                packed[c] = 0
-                for b in T.unroll(CODES_PER_WORD):
-                    near = T.call_extern(I32, "__float2int_rn", S[i * TILE + c * CODES_PER_WORD + b] * scale)
-                    code = T.min(T.max(near, -QMAX), QMAX)
-                    packed[c] = packed[c] | ((code & BYTE_MASK) << (BYTE_BITS * b))
+                e = i * TILE + c * CODES_PER_WORD
+                packed[c] = T.call_extern(I32, "lq_pack_codes", S[e] * scale, S[e + 1] * scale, S[e + 2] * scale,
+                                          S[e + 3] * scale)
             for c in T.vectorized(TILE_WORDS):
-                raw32[base + (row0 + i) * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
+                raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
     return Phases(find_due_programs=find_due_programs, stage_program=stage_program, rebuild_state=rebuild_state,
                   project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
@@ -527,7 +634,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         w: T.Tensor((NS, H, L), F32), pcum: T.Tensor(n_pcum, F32), gbuf: T.Tensor(n_gbuf, F16),
                         p: T.Tensor(n_p, F32), hcnt: T.Tensor((NS, H), I32), q0: T.Tensor((V, R), F32),
                         idx: T.Tensor((N,), I32)):
-        with T.Kernel(G, threads=CTA_THREADS) as bid:
+        with T.Kernel(G, threads=CTA_THREADS, prelude=PRELUDE) as bid:
             # ranking
             slot_s = T.alloc_shared((ROWS,), I32)
             mask_s = T.alloc_shared((CTA_THREADS,), U32)
@@ -535,16 +642,13 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             dlist = T.alloc_shared((LIST_CAP,), I32)
             q0_s = T.alloc_shared((1, V, R), F32)
             # per consumer group
-            kd_s = T.alloc_shared((GROUPS, L, K), F32)
-            ub_s = T.alloc_shared((GROUPS, L, V), F32)
+            kw_s = T.alloc_shared((GROUPS, KEY_PARTS, PAIRS, K), U32)
+            ubw_s = T.alloc_shared((GROUPS, PAIRS, V), U32)
+            tokw_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)    # [u side (columns), q side (rows)]
             red_s = T.alloc_shared((GROUPS, TILES_PER_SIDE * V, R), F32)
             flat_s = T.view(red_s, (GROUPS, TILES_PER_SIDE * V * R), F32)
             pv_s = T.alloc_shared((GROUPS, K, R), F32)
             qv_s = T.alloc_shared((GROUPS, V, R), F32)
-            ug_s = T.alloc_shared((GROUPS, R, K), F32)
-            qo_s = T.alloc_shared((GROUPS, R, V), F32)
-            uh_s = T.alloc_shared((GROUPS, R, K), F32)
-            qh_s = T.alloc_shared((GROUPS, R, V), F32)
             sko_s = T.alloc_shared((GROUPS, K), F32)
             svo_s = T.alloc_shared((GROUPS, V), F32)
             gate_s = T.alloc_shared((GROUPS, K), F32)
@@ -562,13 +666,23 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             g = tx // GROUP_THREADS
             t = tx % GROUP_THREADS
             lane = tx % WARP
-            tc = lane % TILES_PER_SIDE
-            tr = (t // WARP) * WARP_TILE_ROWS + lane // TILES_PER_SIDE
-            row0 = tr * TILE
-            col0 = tc * TILE
+            wr = (t // WARP) // COL_BANDS
+            wc = (t // WARP) % COL_BANDS
+            grp = lane // QUADS
+            quad = lane % QUADS
+            band_r = wr * BAND_ROWS
+            band_c = wc * BAND_COLS
+            rbase = band_r + grp                    # the thread's rows: rbase + ROW_STEP * i
+            col0 = band_c + TILE * quad             # its columns: col0 + j
+            tr = wr * ROW_STEP + grp                # reduction plane of its column partials (one per row set)
+            tc = wc * QUADS + quad                  # reduction plane of its row partials (one per column octet)
             bar = FIRST_GROUP_BARRIER + g
 
             q0_s[0, tx // R, tx % R] = q0[tx // R, tx % R]
+            if t < V:                               # the token pairs past rank 4 are the mma's zero padding
+                for side in T.unroll(2):
+                    for pr in T.unroll(R // 2, TOKEN_PAIRS):
+                        tokw_s[g, side, pr, t] = T.uint32(0)
             total[0] = 0
             for rnd in T.serial(T.ceildiv(N * H, G * LIST_CAP)):
                 if (rnd == 0) | (rnd * G * LIST_CAP < total[0]):
@@ -582,11 +696,12 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         slot = prog // H
                         head = prog % H
                         base = T.cast(slot, I64) * slot_stride(H) + T.cast(head * REGION_WORDS + OFF, I64)
-                        ph.stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, row0,
-                                         col0, cw, kd_s, ub_s, ug_s, qo_s, sko_s, svo_s, gate_s, bar)
-                        ph.rebuild_state(S, cw, row0, col0, g, kd_s, ub_s, ug_s, qo_s, sko_s, svo_s, gate_s)
+                        ph.stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, rbase,
+                                         col0, cw, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar)
+                        ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s,
+                                         sko_s, svo_s, gate_s)
                         # P = orth(S^T q0)
-                        ph.project_columns(S, q0_s, 0, g, tr, row0, col0, red_s)
+                        ph.project_columns(S, q0_s, 0, g, tr, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < K:
                             ph.sum_partials(red_s, g, t, x4)
@@ -596,7 +711,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                                 pv_s[g, t, r] = x4[r]
                         T.sync_threads(bar, GROUP_THREADS)
                         # Q = orth(S P)
-                        ph.project_rows(S, pv_s, g, tc, row0, col0, red_s)
+                        ph.project_rows(S, pv_s, g, tc, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
                             ph.sum_partials(red_s, g, t, x4)
@@ -606,14 +721,14 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                                 qv_s[g, t, r] = x4[r]
                         T.sync_threads(bar, GROUP_THREADS)
                         # U = S^T Q, the fp16 tokens
-                        ph.project_columns(S, qv_s, g, g, tr, row0, col0, red_s)
+                        ph.project_columns(S, qv_s, g, g, tr, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.emit_tokens(rawh, base, t, g, red_s, qv_s, uh_s, qh_s)
+                        ph.emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.residual(S, g, row0, col0, uh_s, qh_s)
-                        ph.column_scales(S, rawf, base, t, g, tr, row0, col0, flat_s, skn_s, bar)
-                        ph.row_scales(S, rawf, base, t, g, tc, row0, flat_s, rsv_s, bar)
-                        ph.store_codes(S, raw32, base, g, row0, col0, rsv_s)
+                        ph.residual(S, tokw_s, g, grp, quad, band_r, band_c)
+                        ph.column_scales(S, rawf, base, t, g, tr, col0, flat_s, skn_s, bar)
+                        ph.row_scales(S, rawf, base, t, g, tc, rbase, flat_s, rsv_s, bar)
+                        ph.store_codes(S, raw32, base, g, rbase, col0, rsv_s)
                     T.sync_threads()
 
     return leapquant_flush
