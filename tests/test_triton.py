@@ -20,9 +20,6 @@ from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, du
 
 pytest.importorskip("triton")
 from leapquant import triton as lq_triton  # noqa: E402  (registers the backend)
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from leapquant.triton.flush import _bf16_part  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -169,40 +166,6 @@ def test_layout_constants_match_the_kernel():
     assert val(fm._SK_WORD) * 4 == lq.layout.SK_BYTE and val(fm._SV_WORD) * 4 == lq.layout.SV_BYTE
     assert val(fm._TOK_HALF) * 2 + 2 * lq.R * (lq.K + lq.V) == CHECKPOINT_BYTES
     assert val(fm._OFF) == OFF and val(fm._REGION_WORDS) == REGION_WORDS
-
-
-@triton.jit
-def _split_keys(x_ptr, out_ptr, N: tl.constexpr):
-    """The rebuild's three-part split of fp32 keys (the kernel's own _bf16_part), the parts stored as fp32 rows."""
-    r = tl.arange(0, N)
-    x = tl.load(x_ptr + r)
-    hi = _bf16_part(x).to(tl.float32)
-    rest = x - hi
-    mid = _bf16_part(rest).to(tl.float32)
-    lo = _bf16_part(rest - mid).to(tl.float32)
-    tl.store(out_ptr + r, hi)
-    tl.store(out_ptr + N + r, mid)
-    tl.store(out_ptr + 2 * N + r, lo)
-
-
-def test_key_split_is_exact():
-    """The rebuild's three-part bf16 split of the fp32 window keys (tensor-core operands): every part is a bf16
-    value, and hi + mid + lo is the key exactly down to |key| ~ 2^-100 (beneath, within bf16's smallest subnormal),
-    over fp32's whole range (tiny, huge, subnormal, zero, signs)."""
-    g = torch.Generator().manual_seed(0)
-    n = 1024
-    x = torch.randn(n, generator=g) * torch.pow(10.0, torch.randint(-40, 38, (n,), generator=g).float())
-    x[:8] = torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, 1.0 + 2**-23, -(1.0 - 2**-24), 2**-100])
-    x = x.to(DEVICE)
-    out = torch.empty(3 * n, device=DEVICE)
-    _split_keys[(1,)](x, out, N=n)
-    parts = out.view(3, n).double()
-    assert torch.equal(parts.float(), parts.float().bfloat16().float()), "a part is not a bf16 value"
-    err = (parts.sum(0) - x.double()).abs()
-    normal = x.abs() >= 2.0 ** -100       # three 8-bit parts reach 24 bits below the leading one while bf16 can
-    assert bool((err[normal] == 0).all()), "hi + mid + lo differs from the key"
-    # below, the last part falls under bf16's smallest subnormal (2^-133): what is lost is at most that, absolute
-    assert float(err[~normal].max()) <= 2.0 ** -132
 
 
 # ---- GPU only: the deployment sizes and CUDA graphs ------------------------------------------------------------------

@@ -8,8 +8,7 @@
    concatenated list: a balanced split (+-1 item) however unevenly the due programs are spread over the rows.
 
 One due item = one (slot, head) program, processed top-down as the algorithm (SPEC section 2), all in fp32 registers:
-rebuild the state S [V, K] on the tensor cores with exact products (fp16 / bf16 operands, the fp32 window keys split
-into three bf16 parts), brought back to a blocked layout through a per-program scratch; one subspace iteration from
+rebuild the state S [V, K] (the window's keys staged through a small per-program scratch), one subspace iteration from
 q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q; orth = CholeskyQR2 with floored pivots, each of P, Q, U one batched
 reduction), fp16 tokens, residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window
 reset.
@@ -49,7 +48,6 @@ _V = _const(V)
 _K = _const(K)
 _L = _const(L)
 _R = _const(R)
-_PAD_R = _const(16)                             # the rank padded to the tensor cores' K step (16-bit operands)
 _TOK_ROW = _const(K + V)                        # fp16 words per token row (u[r, :K] | q[r, :V])
 _QMAX = _const(float(QMAX))
 _EPS = _const(EPS)
@@ -190,39 +188,6 @@ else:
         return libdevice.rint(y)
 
 
-if INTERPRETED:
-    @triton.jit
-    def _operand(x):
-        """A loaded bf16 / fp16 tile as a tensor-core operand (the interpreter: fp32, exactly the same values)."""
-        return x.to(tl.float32)
-
-    @triton.jit
-    def _bf16_part(x):
-        """The leading bf16 part of fp32 x, as fp32 (the interpreter: truncation by a bit mask; its bf16 conversion
-        is not reliable). Any bf16-representable part keeps the three-part split exact."""
-        return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _mma(a, b, acc):
-        """acc + a @ b with exact products (the interpreter: numpy fp32)."""
-        return tl.dot(a, b, acc, input_precision="ieee")
-else:
-    @triton.jit
-    def _operand(x):
-        """A loaded bf16 / fp16 tile as a tensor-core operand: as it is."""
-        return x
-
-    @triton.jit
-    def _bf16_part(x):
-        """The nearest bf16 to fp32 x (one cvt.rn.bf16 per element)."""
-        return x.to(tl.bfloat16)
-
-    @triton.jit
-    def _mma(a, b, acc):
-        """acc + a @ b on the tensor cores, fp32 accumulation: bf16 x bf16 and fp16 x fp16 products are exact."""
-        return tl.dot(a, b, acc)
-
-
 @triton.jit
 def _store_token(tok, r, U_r, Q_r, rk, rv):
     """Round column r of U (clamped to fp16's range) and of Q to fp16, store them as token row r, and return the
@@ -238,7 +203,7 @@ def _store_token(tok, r, U_r, Q_r, rk, rv):
 def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
                slot, head, H, SS, IS_KDA: tl.constexpr, ALIGN: tl.constexpr):
     """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]; scratch: this persistent
-    program's V x K fp32 staging region (the rebuilt state passes through it once)."""
+    program's L x K fp32 staging rows."""
     rv = tl.arange(0, _V)
     rk = tl.arange(0, _K)
     # first fp32 word of the (slot, head) region, and the row of the dense window tensors. The alignment hints
@@ -263,40 +228,41 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     sv_p = raw_f32 + region + _SV_WORD + rv
     tok = raw_f16 + region * 2 + _TOK_HALF
 
-    # ---- (1) rebuild on the tensor cores, every product exact, fp32 accumulation:
-    #      S = (codes * s_k / 127 * s_v + q^T u) * gate + sum_j ubuf_j (outer) key_j,  key_j = w_j kbuf_j D_j ----
-    # q^T u: fp16 x fp16 (rank 4 padded to 16); the fp32 keys split into three bf16 parts hi + mid + lo (exactly key:
-    # 8 + 8 + 8 significant bits) against ubuf (bf16): bf16 x bf16. The dequantised state is the first accumulator.
-    rl = tl.arange(0, _L)
-    rt = tl.arange(0, _PAD_R)
-    S = tl.load(codes_p).to(tl.float32) * (tl.load(sk_p) / _QMAX)[None, :] * tl.load(sv_p)[:, None]
-    q_old = _operand(tl.load(tok + rt[None, :] * _TOK_ROW + _K + rv[:, None], mask=rt[None, :] < _R, other=0.0))
-    u_old = _operand(tl.load(tok + rt[:, None] * _TOK_ROW + rk[None, :], mask=rt[:, None] < _R, other=0.0))
-    S = _mma(q_old, u_old, S)                                   # [V, 16] @ [16, K]
+    # ---- (1) rebuild: S = (q^T u + codes * s_k / 127 * s_v) * gate + sum_j w_j ubuf_j (outer) (kbuf_j * D_j) ----
+    # (broadcast FMAs keep S in a blocked layout whose column sums stay inside each thread; a tl.dot here moved S
+    #  to the MMA layout and made every later reduction dearer: measured 17 % slower, bench/notes/triton.md.
+    #  The gate is folded into the column factors (KDA) or the row factors (GDN): one multiply per element less.)
+    codes = tl.load(codes_p)
+    s_k = tl.load(sk_p)
+    s_v = tl.load(sv_p)
     if IS_KDA:
-        S = S * tl.exp(tl.load(gp + rk))[None, :]
+        gate = tl.exp(tl.load(gp + rk))                         # [K]
+        col = s_k / _QMAX * gate
+        row = s_v
     else:
-        S = S * tl.load(gate_ptr + prog)
-    keys = tl.load(kb + rl[:, None] * _K + rk[None, :]).to(tl.float32) * tl.load(wp + rl)[:, None]     # [L, K]
+        gate = tl.load(gate_ptr + prog)                         # scalar p
+        col = s_k / _QMAX
+        row = s_v * gate
+    S = codes.to(tl.float32) * col[None, :] * row[:, None]
+    for r in tl.static_range(_R):
+        u_old = tl.load(tok + r * _TOK_ROW + rk).to(tl.float32) * gate
+        q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32)
+        S += q_old[:, None] * u_old[None, :]
+    # the window's effective keys kbuf[j] * w[j] * D_j as one [L, K] tile (8 elements per thread, none replicated; D_j
+    # an exclusive reverse product scan of gbuf), staged through this program's scratch rows: built in the 1-D key
+    # layout of S's columns every thread would compute all 16 x 16 of its keys, 32 copies of the same work.
+    # The barrier before the stores keeps the previous item's readers ahead (its later reductions already are); the
+    # one after publishes the rows to every warp (bar.sync orders global memory within the block).
+    rl = tl.arange(0, _L)
+    keys = tl.load(kb + rl[:, None] * _K + rk[None, :]).to(tl.float32) * tl.load(wp + rl)[:, None]
     if IS_KDA:
         g_next = tl.load(gb + (rl[:, None] + 1) * _K + rk[None, :], mask=rl[:, None] + 1 < _L, other=1.0)
         keys = keys * tl.cumprod(g_next.to(tl.float32), 0, reverse=True)      # D_j = prod_{i > j} gbuf[i]
-    k_hi = _bf16_part(keys)
-    rest = keys - k_hi.to(tl.float32)                          # exact (fp32 subtraction of the leading part)
-    k_mid = _bf16_part(rest)
-    k_lo = _bf16_part(rest - k_mid.to(tl.float32))             # exact, and exactly bf16
-    ubT = _operand(tl.load(ub + rl[None, :] * _V + rv[:, None]))                                        # [V, L]
-    S = _mma(ubT, k_hi, S)
-    S = _mma(ubT, k_mid, S)
-    S = _mma(ubT, k_lo, S)
-    # back to a blocked layout through this program's scratch (64 KB, L1/L2): left in the accumulator layout, every
-    # later column reduction costs three times the shuffles (bench/notes/triton.md, "tensor-core rebuild"). The
-    # barrier before the stores keeps the previous item's readers ahead; the one after publishes S to every warp
-    # (bar.sync orders global memory within the block).
     tl.debug_barrier()
-    tl.store(scratch + rv[:, None] * _K + rk[None, :], S)
+    tl.store(scratch + rl[:, None] * _K + rk[None, :], keys)
     tl.debug_barrier()
-    S = tl.load(scratch + rv[:, None] * _K + rk[None, :])
+    for j in tl.static_range(_L):
+        S += tl.load(ub + j * _V + rv).to(tl.float32)[:, None] * tl.load(scratch + j * _K + rk)[None, :]
 
     # ---- (2) one subspace iteration from q0: P = orth(S^T q0) [K, R], Q = orth(S P) [V, R], U = S^T Q [K, R] ----
     # (q0's columns are re-read per item from L1/L2: held across the item loop they cost 4 row vectors of registers)
@@ -366,11 +332,10 @@ def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
     for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], the due list int32
     [MAX_CHUNKS * CHUNK] and its counts int32 [MAX_CHUNKS] (the first num_chunks are this call's); scratch fp32
-    [G, V, K]: the region of program pid is its own (the rebuilt state, staged per item; the previous FMA kernel,
-    kept in bench/triton_dev.py for A/B timing, uses its first L x K words with the same launch arguments)."""
+    [G, L, K]: rows of program pid are its own (the window's effective keys, staged per item)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    scratch = scratch_ptr + pid * (_V * _K)
+    scratch = scratch_ptr + pid * (_L * _K)
     ch = tl.arange(0, MAX_CHUNKS)
     n_c = tl.load(count_ptr + ch, mask=ch < num_chunks, other=0)
     ends = tl.cumsum(n_c, 0)                       # items in chunks 0..c
@@ -416,7 +381,7 @@ class _Workspace:
     raw_i8: torch.Tensor
     raw_f16: torch.Tensor
     programs: int = 0              # persistent programs resident at once (0: not measured yet)
-    scratch: torch.Tensor | None = None   # fp32 [programs, V, K]: each persistent program's staging (made with programs)
+    scratch: torch.Tensor | None = None   # fp32 [programs, L, K]: each persistent program's key rows (made with programs)
 
 
 _WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
@@ -450,7 +415,7 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tu
     gbuf = pool.gbuf if kda else pool.p          # GDN: a placeholder the kernel never reads
     # before the grid size is known (compiling to read the registers) one program's rows stand in: same type and
     # alignment, so the same compilation; no program is launched with them
-    scratch = ws.scratch if ws.scratch is not None else ws.due.new_zeros(V * K, dtype=torch.float32)
+    scratch = ws.scratch if ws.scratch is not None else ws.due.new_zeros(L * K, dtype=torch.float32)
     return (pool.raw, ws.raw_i8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, scratch, ws.due, ws.count,
             chunks, pool.num_heads, slot_stride(pool.num_heads))
 
@@ -495,7 +460,7 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         if _capturing(pool):
             raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
         ws.programs = _resident_programs(pool, ws, q0)
-        ws.scratch = torch.empty(ws.programs * V * K, dtype=torch.float32, device=pool.device)
+        ws.scratch = torch.empty(ws.programs * L * K, dtype=torch.float32, device=pool.device)
     chunks = math.ceil(N * H / CHUNK)
     _mark_due[(chunks,)](idx, pool.hcnt, ws.due, ws.count, N, pool.num_slots, H, CHUNK=CHUNK,
                          num_warps=MARK_WARPS)
