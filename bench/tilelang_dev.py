@@ -3,6 +3,7 @@
     python bench/tilelang_dev.py precompile --arch sm_90a --sms 132      # fill TileLang's disk cache (no GPU needed)
     python bench/tilelang_dev.py check [--batches 16 64 256 512]         # SPEC criterion, every family, both gates
     python bench/tilelang_dev.py phases [--batch 256] [--gate kda]       # profiling builds: one phase left out each
+    python bench/tilelang_dev.py ab OLD_kernel.py leapquant/tilelang/kernel.py   # A/B of kernel versions, one run
 
 ``phases`` builds variants of the kernel in which one phase runs twice (a *profiling build*: the
 shipped kernel has no switches), times them like the benchmark (L2-cold, 8 rotated slot sets, CUDA graph replay,
@@ -32,6 +33,11 @@ PROFILE_VARIANTS = {
     "x2_tokens": (("emit_tokens",), ()),
     "x2_row_scales": (("row_scales",), ()),
     "x2_codes": (("store_codes",), ()),
+    # not idempotent but numerically harmless (the second pass works on finite data of the same scale)
+    "x2_residual": (("residual",), ()),
+    "x2_column_scales": (("column_scales",), ()),
+    # the staging left out: the flush computes on whatever the shared memory holds (its cost: full - no_stage)
+    "no_stage": ((), ("stage_program",)),
     "ranking_only": ((), ("stage_program", "rebuild_state", "project_columns", "project_rows", "sum_partials",
                           "orthonormalise", "emit_tokens", "residual", "column_scales", "row_scales",
                           "store_codes")),
@@ -122,15 +128,16 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
-def cmd_phases(args) -> int:
-    from leapquant.bench import due_pattern, time_calls
+def _timing_pool(batch, gate, due):
+    """A pool of 8 disjoint slot sets of ``batch`` rows x 32 heads filled with in-domain noise, the sets' idx
+    tensors, and the kernel call for one set (everything the phase and A/B timings share)."""
+    from leapquant.bench import due_pattern
     from leapquant.layout import Pool
     from leapquant.reference import default_q0
-    from leapquant.tilelang import config_for
-    from leapquant.tilelang.kernel import compile_flush
+    from leapquant.tilelang import _placeholders, config_for
     dev = torch.device("cuda")
-    nsets, batch, heads = 8, args.batch, 32
-    pool = Pool(nsets * batch + 1, heads, device=dev, gate=args.gate)
+    nsets, heads = 8, 32
+    pool = Pool(nsets * batch + 1, heads, device=dev, gate=gate)
     g = torch.Generator().manual_seed(0)
     pool.raw.copy_(torch.randn(pool.raw.shape, generator=g).to(dev))
     pool.s_k.copy_(torch.rand(pool.s_k.shape, generator=g).add_(0.1).to(dev))
@@ -140,28 +147,38 @@ def cmd_phases(args) -> int:
     pool.kbuf.copy_(torch.randn(pool.kbuf.shape, generator=g).to(dev, torch.bfloat16))
     pool.ubuf.copy_(torch.randn(pool.ubuf.shape, generator=g).to(dev, torch.bfloat16))
     q0 = default_q0(dev)
-    cfg = config_for(pool)
     sets = [torch.arange(1 + s * batch, 1 + (s + 1) * batch, dtype=torch.int32, device=dev) for s in range(nsets)]
-    hc, _ = due_pattern(nsets, batch, heads, args.due, 0, dev)
+    hc, _ = due_pattern(nsets, batch, heads, due, 0, dev)
+    for s in range(nsets):                  # hcnt set once per set (the flush never changes it)
+        pool.hcnt[sets[s].long()] = hc[s]
+    ph = _placeholders(pool)
+    pcum, gbuf, p = ((pool.pcum, pool.gbuf, ph["p"]) if pool.gate == "kda" else (ph["pcum"], ph["gbuf"], pool.p))
+
+    def call(kern, s):
+        kern(pool.raw.view(torch.int32), pool.raw, pool.raw.view(torch.float16), pool.kbuf, pool.ubuf, pool.w,
+             pcum, gbuf, p, pool.hcnt, q0, sets[s])
+    return config_for(pool), nsets, call
+
+
+def _time_kernels(kernels, args):
+    """Median CUDA-event time per call of each (name, compiled kernel), L2-cold in rotation over the slot sets."""
+    from leapquant.bench import time_calls
     results = {}
-    for name, variant in PROFILE_VARIANTS.items():
-        from leapquant.tilelang import _placeholders
-        kern = compile_flush(cfg, profiling_phases(cfg, variant) if name != "full" else None)
-        ph = _placeholders(pool)
-        pcum, gbuf, p = ((pool.pcum, pool.gbuf, ph["p"]) if pool.gate == "kda" else (ph["pcum"], ph["gbuf"], pool.p))
-
-        # hcnt is set once per set before timing (the flush never changes it)
-        for s in range(nsets):
-            pool.hcnt[sets[s].long()] = hc[s]
-
-        def timed(s, kern=kern, pcum=pcum, gbuf=gbuf, p=p):
-            kern(pool.raw.view(torch.int32), pool.raw, pool.raw.view(torch.float16), pool.kbuf, pool.ubuf, pool.w,
-                 pcum, gbuf, p, pool.hcnt, q0, sets[s])
-
-        times, method = time_calls(timed, nsets, args.repeats, dev, 10.0, capture=True)
+    for name, kern in kernels:
+        times, method = time_calls(lambda s, kern=kern: args.call(kern, s), args.nsets, args.repeats,
+                                   torch.device("cuda"), 10.0, capture=True)
         times.sort()
         results[name] = times[len(times) // 2]
         print(f"{name:20s} {results[name]:9.1f} us  ({method})", flush=True)
+    return results
+
+
+def cmd_phases(args) -> int:
+    from leapquant.tilelang.kernel import compile_flush
+    cfg, args.nsets, args.call = _timing_pool(args.batch, args.gate, args.due)
+    kernels = ((name, compile_flush(cfg, profiling_phases(cfg, v) if name != "full" else None))
+               for name, v in PROFILE_VARIANTS.items())
+    results = _time_kernels(kernels, args)
     full = results["full"]
     print("\n| variant | median us | variant - full (phase estimate) us |")
     print("| --- | --- | --- |")
@@ -169,7 +186,38 @@ def cmd_phases(args) -> int:
         print(f"| {name} | {t:.1f} | {t - full:+.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(batch=batch, heads=heads, gate=args.gate, due=args.due, results_us=results), f, indent=1)
+            json.dump(dict(batch=args.batch, heads=32, gate=args.gate, due=args.due, results_us=results), f, indent=1)
+    return 0
+
+
+def load_kernel_module(path):
+    """A kernel generator module from a file (e.g. an older commit's leapquant/tilelang/kernel.py, written out with
+    ``git show REV:leapquant/tilelang/kernel.py > FILE``), imported inside the package so its relative imports work."""
+    import importlib.util
+
+    importlib.import_module("leapquant.tilelang")     # the parent package of the loaded module
+    name = "leapquant.tilelang._ab_" + os.path.basename(path).replace(".", "_").replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cmd_ab(args) -> int:
+    """Time kernel generators from files (A/B of kernel versions in one run, same pool and method)."""
+    rows = []
+    for due in args.due:
+        cfg, args.nsets, args.call = _timing_pool(args.batch, args.gate, due)
+        kernels = []
+        for path in args.kernels:
+            mod = load_kernel_module(path)
+            kernels.append((f"{os.path.basename(path)}:{due}", mod.compile_flush(
+                mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))))
+        rows += _time_kernels(kernels, args).items()
+    print("\n| kernel:due | median us |\n| --- | --- |")
+    for name, t in rows:
+        print(f"| {name} | {t:.1f} |")
     return 0
 
 
@@ -194,12 +242,20 @@ def main() -> int:
     f.add_argument("--due", default="all")
     f.add_argument("--repeats", type=int, default=50)
     f.add_argument("--json", default=None)
+    ab = sub.add_parser("ab")
+    ab.add_argument("kernels", nargs="+", help="kernel generator files (leapquant/tilelang/kernel.py of each version)")
+    ab.add_argument("--batch", type=int, default=256)
+    ab.add_argument("--gate", default="kda")
+    ab.add_argument("--due", nargs="+", default=["all", "sixteenth"])
+    ab.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
     if args.cmd == "precompile":
         cmd_precompile(args)
         return 0
     if args.cmd == "check":
         return cmd_check(args)
+    if args.cmd == "ab":
+        return cmd_ab(args)
     return cmd_phases(args)
 
 

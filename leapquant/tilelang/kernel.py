@@ -5,10 +5,9 @@ the same ranking, keeps the ranks congruent to its block index modulo the grid s
 evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` independent consumer groups of
 :data:`GROUP_THREADS` threads; each group flushes one program at a time, synchronising on its own named barrier:
 
-    prefetch_program    the next program's checkpoint, window and gate into shared memory (cp.async), issued as
-                        soon as the current program's inputs are staged, so its loads overlap the current flush
-    stage_program       old codes into registers; scales, gate, tokens, window values and keys (w_j kbuf_j D_j, split
-                        into three bf16 parts) into shared memory as mma operands; the window is reset
+    stage_program       old codes into registers; scales and gate into shared memory (fp32); tokens, window values
+                        and keys (w_j kbuf_j D_j, split into three bf16 parts) into shared memory as mma operands;
+                        the window is reset as soon as it is read
     rebuild_state       S = (codes s_k s_v / 127 + q^T u) * gate + sum_j ubuf_j (w_j kbuf_j D_j): the dequantisation
                         on the CUDA cores, both rank updates on the tensor cores (mma.sync with exact operands:
                         fp16 tokens, bf16 window values x the keys' bf16 hi + mid + lo, fp32 accumulation); S is an
@@ -26,8 +25,7 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
 Every value of the state and every sum is fp32; the tensor cores only see operands that are exact in their input
 type, so the kernel computes the reference's arithmetic up to the order of the sums. The phases are TileLang macros;
 :func:`flush_phases` returns them so that a profiling build (bench/tilelang_dev.py) can replace one by a variant
-without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, cp.async, packing) is in
-:data:`PRELUDE`.
+without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, packing) is in :data:`PRELUDE`.
 """
 
 
@@ -63,16 +61,6 @@ N_TILES = TILE // 2                     # 4 mma n-tiles per thread column octet 
 KEY_PARTS = 3
 PAIRS = L // 2                          # bf16/fp16 pairs along the window (k of the mma): one 32-bit word each
 TOKEN_PAIRS = 4                         # rank-4 tokens as the k = 8 operand of mma.m16n8k8: pairs 2, 3 stay zero
-#: The next program's inputs are copied into shared memory (cp.async, 16-byte chunks) while the current one is
-#: flushed: its checkpoint (codes, scales, tokens), its window and gate. The codes' chunks are XOR-swizzled by row
-#: (chunk c of row v at c ^ (v % 8)) so that the staging reads (8 rows x 8 bytes per lane group) hit distinct banks.
-CHUNK_WORDS = 4                         # 16 bytes
-CK_WORDS = CHECKPOINT_BYTES // 4        # 4864: the checkpoint
-CK_CHUNKS = CK_WORDS // CHUNK_WORDS     # 1216
-CODE_CHUNKS = V * K // 16               # 1024: the codes, 8 chunks per row
-ROW_CHUNKS = K // 16
-WIN_WORDS = L * K // 2                  # 1024: one bf16 / fp16 [L, 128] window tensor
-WIN_CHUNKS = WIN_WORDS // CHUNK_WORDS   # 256 = one chunk per group thread
 #: consumer groups per CTA: 2 x 256 threads = 512, so __launch_bounds__(512) caps registers at 128 per thread and
 #: exactly one CTA fits an SM (the grid is one CTA per SM: the persistent design needs every CTA resident)
 GROUPS = 2
@@ -92,10 +80,9 @@ CHOL_RELATIVE_FLOOR = 1e-6
 #: so rsqrt of it is finite; an all-zero column stays exactly zero (0 * 1e18), and an all-zero head decodes to 0
 CHOL_ABS_FLOOR = 1e-36
 GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gram matrix, packed row by row
-GRAM_HALF = GRAM_ENTRIES // 2           # 5: the entries one half of the group sums (both halves hold every row)
-GRAM_SLOT = 8                           # one warp's partial of its half's entries in shared memory: two float4
+GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three float4
 VEC4 = 4                                # floats per 16-byte shared-memory access
-ORTH_WARPS = V // WARP                  # 4: warps per half of the group; each half holds one row per thread
+ORTH_WARPS = V // WARP                  # 4: the warps whose threads hold one row each of P (K rows) or Q (V rows)
 CTA_WARPS = CTA_THREADS // WARP
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
 PROGRAMS_PER_CHUNK = CTA_THREADS * WARP
@@ -153,29 +140,6 @@ __device__ __forceinline__ int lq_pack_codes(float x0, float x1, float x2, float
   unsigned hi = __byte_perm(__float2int_rn(x2), __float2int_rn(x3), 0x0040);
   return (int)__byte_perm(lo, hi, 0x5410);
 }
-// asynchronous copies global -> shared (cp.async: no registers held while the bytes are in flight)
-__device__ __forceinline__ void lq_cp16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void lq_cp4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void lq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void lq_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-// half h (0: low, 1: high) of a word of two fp16 / bf16 values, as a float
-__device__ __forceinline__ float lq_f16_of(unsigned word, int h) {
-  unsigned short b = (unsigned short)(word >> (16 * h)); float f;
-  asm("{.reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t;}" : "=f"(f) : "h"(b)); return f;
-}
-__device__ __forceinline__ float lq_bf16_of(unsigned word, int h) {
-  return __uint_as_float(h ? (word & 0xffff0000u) : (word << 16));
-}
-// the bf16 pair (lo: half h of word a, hi: half h of word b)
-__device__ __forceinline__ unsigned lq_pair_halves(unsigned a, unsigned b, int h) {
-  return __byte_perm(a, b, h ? 0x7632 : 0x5410);
-}
 __device__ __forceinline__ void lq_mma_bf16(float* c0, float* c1, float* c2, float* c3, unsigned a0, unsigned a1,
                                             unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -222,9 +186,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
                      + TILES_PER_SIDE * R * V   # reduction partials
                      + 2 * V * R                # P and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
-                     + CHOLQR_PASSES * 2 * ORTH_WARPS * GRAM_SLOT   # Gram partials of the orthonormalisation
-                     + CK_WORDS + 2 * WIN_WORDS + L     # prefetch: checkpoint, kbuf, ubuf, w
-                     + (WIN_WORDS + K if cfg.gate == "kda" else 2 * CHUNK_WORDS))   # gbuf and pcum, or p
+                     + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT)  # Gram partials of the orthonormalisation
     scan = 4 * (cfg.rows_per_chunk + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
     return GROUPS * per_group + 4 * V * R + scan
 
@@ -233,7 +195,6 @@ def shared_bytes(cfg: FlushConfig) -> int:
 class Phases:
     """The kernel's named units (TileLang macros), composed by :func:`make_flush_func`."""
     find_due_programs: object = None
-    prefetch_program: object = None
     stage_program: object = None
     rebuild_state: object = None
     project_columns: object = None
@@ -323,38 +284,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             ranked[0] = ranked[0] + before[1]
             T.sync_threads()
 
-    # ---- one program: prefetch and staging ----------------------------------------------------------------------
-    @T.macro
-    def prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc):
-        """Start copying the program's checkpoint, window and gate into this group's prefetch buffers (cp.async,
-        one commit group); :func:`stage_program` waits for them. Nothing is read from the buffers until then."""
-        base = region_word(slot, head)
-        for k in T.unroll(T.ceildiv(CK_CHUNKS, GROUP_THREADS)):
-            e = k * GROUP_THREADS + t
-            if e < CK_CHUNKS:
-                row = e // ROW_CHUNKS
-                dst = T.if_then_else(e < CODE_CHUNKS, row * ROW_CHUNKS + ((e % ROW_CHUNKS) ^ (row % ROW_CHUNKS)), e)
-                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, dst * CHUNK_WORDS]),
-                                         T.address_of(raw32[base + e * CHUNK_WORDS])))
-        h0 = t * CHUNK_WORDS * 2                    # first half-word of this thread's chunk of an [L, 128] tensor
-        T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, t * CHUNK_WORDS]),
-                                 T.address_of(kbuf[slot, head, h0 // K, h0 % K])))
-        T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ub[g, t * CHUNK_WORDS]),
-                                 T.address_of(ubuf[slot, head, h0 // V, h0 % V])))
-        if t < L // CHUNK_WORDS:
-            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_w[g, t * CHUNK_WORDS]),
-                                     T.address_of(w[slot, head, t * CHUNK_WORDS])))
-        if KDA:
-            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_gb[g, t * CHUNK_WORDS]),
-                                     T.address_of(gbuf[slot, head, h0 // K, h0 % K])))
-            if t < K // CHUNK_WORDS:
-                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_pc[g, t * CHUNK_WORDS]),
-                                         T.address_of(pcum[slot, head, t * CHUNK_WORDS])))
-        else:
-            if t == 0:
-                T.evaluate(T.call_extern("handle", "lq_cp4", T.address_of(pf_pc[g, 0]), T.address_of(p[slot, head])))
-        T.evaluate(T.call_extern("handle", "lq_cp_commit"))
-
+    # ---- one program: staging ---------------------------------------------------------------------------------------
     def row_word(pair, v):
         """Shared-memory index of row ``v`` in a plane of row-side operand words (window values, q tokens): XOR of
         bits 3-4 by the pair, so that an A fragment (8 rows x 4 pairs per load) hits 32 different banks."""
@@ -365,31 +295,28 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         the pair, so that a B fragment (8 columns x 4 pairs per load) hits 32 different banks."""
         return c ^ ((pair % QUADS) << 1)
 
-    def as_f32(word):
-        return T.call_extern(F32, "__uint_as_float", word)
-
     @T.macro
-    def stage_program(w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw, pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc,
+    def stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw,
                       kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar):
-        """From the prefetch buffers (complete: the caller waited): old codes into registers; scales and gate into
-        shared memory (fp32); tokens, window values and the window keys (w_j kbuf_j D_j, split into bf16 hi + mid +
-        lo) into shared memory as the packed pairs the mma fragments read; then reset the window in the pool."""
-        chunk = col0 // (CODES_PER_WORD * CHUNK_WORDS)
-        half = (col0 // (CODES_PER_WORD * TILE_WORDS)) % 2
+        """Old codes into registers; scales and gate into shared memory (fp32); tokens, window values and the
+        window keys (w_j kbuf_j D_j, split into bf16 hi + mid + lo) into shared memory as the packed pairs the mma
+        fragments read; reset the window."""
+        base = region_word(slot, head)
         for i in T.unroll(TILE):
-            row = rbase + ROW_STEP * i
             for c in T.vectorized(TILE_WORDS):
-                cw[i * TILE_WORDS + c] = pf_ck[g, (row * ROW_CHUNKS + (chunk ^ (row % ROW_CHUNKS))) * CHUNK_WORDS
-                                               + half * TILE_WORDS + c]
+                cw[i * TILE_WORDS + c] = raw32[base + (rbase + ROW_STEP * i) * CODE_WORDS_PER_ROW
+                                               + col0 // CODES_PER_WORD + c]
         tok = T.alloc_local((R,), F32)
         if t < K:                                   # thread per key column
-            sko_s[g, t] = as_f32(pf_ck[g, SK_WORD + t]) / QMAXF     # s_k / 127, the dequantisation step of the column
+            sko_s[g, t] = rawf[base + SK_WORD + t] / QMAXF     # s_k / 127, the dequantisation step of the column
+            gk = T.alloc_local((1,), F32)
             if KDA:
-                gate_s[g, t] = T.exp(pf_pc[g, t])
+                gk[0] = T.exp(pcum[slot, head, t])
             else:
-                gate_s[g, t] = pf_pc[g, 0]
+                gk[0] = p[slot, head]
+            gate_s[g, t] = gk[0]
             for r in T.unroll(R):
-                tok[r] = T.call_extern(F32, "lq_f16_of", pf_ck[g, (TOK_HALF + r * TOK_ROW + t) // HALVES_PER_WORD], t % 2)
+                tok[r] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t], F32)
             for pr in T.unroll(R // 2):
                 tokw_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
             key = T.alloc_local((L,), F32)
@@ -397,11 +324,10 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             decay[0] = 1.0
             for jj in T.unroll(L):
                 j = L - 1 - jj
-                key[j] = T.call_extern(F32, "lq_bf16_of", pf_kb[g, (j * K + t) // HALVES_PER_WORD], t % 2) * pf_w[g, j]
+                key[j] = T.cast(kbuf[slot, head, j, t], F32) * w[slot, head, j]
                 if KDA:
                     key[j] = key[j] * decay[0]
-                    decay[0] = decay[0] * T.call_extern(F32, "lq_f16_of", pf_gb[g, (j * K + t) // HALVES_PER_WORD],
-                                                        t % 2)
+                    decay[0] = decay[0] * T.cast(gbuf[slot, head, j, t], F32)
             for pp in T.unroll(PAIRS):
                 for part in T.unroll(KEY_PARTS):
                     kw_s[g, part, pp, col_word(pp, t)] = T.call_extern(U32, "lq_key_part", key[2 * pp],
@@ -412,18 +338,17 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                     gbuf[slot, head, j, t] = T.cast(HALF_ONE, F16)
         else:                                       # thread per value row
             v = t - K
-            svo_s[g, v] = as_f32(pf_ck[g, SV_WORD + v])
+            svo_s[g, v] = rawf[base + SV_WORD + v]
             for r in T.unroll(R):
-                tok[r] = T.call_extern(F32, "lq_f16_of", pf_ck[g, (TOK_HALF + r * TOK_ROW + K + v) // HALVES_PER_WORD],
-                                       v % 2)
+                tok[r] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v], F32)
             for pr in T.unroll(R // 2):
                 tokw_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
             for pp in T.unroll(PAIRS):
-                ubw_s[g, pp, row_word(pp, v)] = T.call_extern(
-                    U32, "lq_pair_halves", pf_ub[g, (2 * pp * V + v) // HALVES_PER_WORD],
-                    pf_ub[g, ((2 * pp + 1) * V + v) // HALVES_PER_WORD], v % 2)
+                ubw_s[g, pp, row_word(pp, v)] = T.call_extern(U32, "lq_pack_bf16x2",
+                                                              T.cast(ubuf[slot, head, 2 * pp, v], F32),
+                                                              T.cast(ubuf[slot, head, 2 * pp + 1, v], F32))
         T.sync_threads(bar, GROUP_THREADS)
-        if t < L:                                   # the window is consumed: reset it
+        if t < L:                                   # every column thread has read w
             w[slot, head, t] = 0.0
         if not KDA:
             if t == 0:
@@ -542,61 +467,58 @@ def flush_phases(cfg: FlushConfig) -> Phases:
 
     @T.macro
     def orthonormalise(x4, gram_s, g, t, lane, bar):
-        """CholeskyQR2 of the 128 x R matrix X whose row t % V is x4 in thread t (both halves of the group hold every
-        row), in place; every thread of the group calls it (it synchronises the group). Per pass: the Gram matrix
-        G = X^T X in fp32 (the threads of half h form the products of entries 5 h .. 5 h + 4 of the packed lower
-        triangle for their row, a butterfly over the warp, the warps' partials summed through shared memory in one
-        fixed order, so every thread holds the same G); its Cholesky factor with pivots
+        """CholeskyQR2 of the 128 x R matrix whose row t is x4 in thread t < V (K == V), in place; every thread of
+        the group calls it (it synchronises the group). Per pass: the Gram matrix G = X^T X in fp32 (each thread its
+        row's products, a butterfly over the warp, the four warps' partials summed through shared memory in one fixed
+        order, so every thread holds the same G); its Cholesky factor with pivots
         d_j = max(G_jj - sum_{i<j} L_ji^2, CHOL_RELATIVE_FLOOR * G_jj, CHOL_ABS_FLOOR) in every thread's registers;
-        then the row x <- L^-1 x (X <- X L^-T) by forward substitution. A zero column stays exactly zero. No branch
-        around the shuffles: in a branch nvcc cannot prove the warp converged and wraps each one in a collective."""
-        gp = T.alloc_local((GRAM_SLOT,), F32)
-        gr = T.alloc_local((GRAM_ENTRIES,), F32)
+        then the row x <- L^-1 x (X <- X L^-T) by forward substitution. A zero column stays exactly zero."""
+        gr = T.alloc_local((GRAM_SLOT,), F32)
         lf = T.alloc_local((GRAM_ENTRIES,), F32)    # L_ji below the diagonal, 1 / L_jj on it
         acc = T.alloc_local((1,), F32)
         warp = t // WARP
-        upper = t >= V                              # this thread's half sums the upper five entries
         for ps in T.unroll(CHOLQR_PASSES):
-            # entry e of the lower half is (j, i) = (0,0) (1,0) (1,1) (2,0) (2,1), of the upper (2,2) (3,0) (3,1) (3,2) (3,3)
-            gr[0] = T.if_then_else(upper, x4[2] * x4[2], x4[0] * x4[0])
-            gr[1] = T.if_then_else(upper, x4[3] * x4[0], x4[1] * x4[0])
-            gr[2] = T.if_then_else(upper, x4[3] * x4[1], x4[1] * x4[1])
-            gr[3] = T.if_then_else(upper, x4[3] * x4[2], x4[2] * x4[0])
-            gr[4] = T.if_then_else(upper, x4[3] * x4[3], x4[2] * x4[1])
-            for s in T.unroll(WARP_LEVELS):
-                for e in T.unroll(GRAM_HALF):
-                    gr[e] = gr[e] + T.shfl_xor(gr[e], (WARP // 2) >> s)
-            if lane == 0:
-                for e in T.unroll(GRAM_HALF):
-                    gram_s[g, ps, warp, e] = gr[e]
+            if t < V:
+                for e in T.unroll(GRAM_SLOT):
+                    gr[e] = 0.0
+                for j in T.unroll(R):
+                    for i in T.unroll(R):
+                        if i <= j:
+                            gr[tri(j, i)] = x4[j] * x4[i]
+                for s in T.unroll(WARP_LEVELS):
+                    for e in T.unroll(GRAM_ENTRIES):
+                        gr[e] = gr[e] + T.shfl_xor(gr[e], (WARP // 2) >> s)
+                if lane == 0:
+                    for c in T.unroll(GRAM_SLOT // VEC4):
+                        for e in T.vectorized(VEC4):
+                            gram_s[g, ps, warp, c * VEC4 + e] = gr[c * VEC4 + e]
             T.sync_threads(bar, GROUP_THREADS)
-            for e in T.unroll(GRAM_ENTRIES):
-                gr[e] = 0.0
-            for h in T.unroll(2):
+            if t < V:
+                for e in T.unroll(GRAM_SLOT):
+                    gr[e] = 0.0
                 for w in T.unroll(ORTH_WARPS):
                     for c in T.unroll(GRAM_SLOT // VEC4):
                         for e in T.vectorized(VEC4):
-                            gp[c * VEC4 + e] = gram_s[g, ps, h * ORTH_WARPS + w, c * VEC4 + e]
-                    for e in T.unroll(GRAM_HALF):
-                        gr[h * GRAM_HALF + e] = gr[h * GRAM_HALF + e] + gp[e]
-            for j in T.unroll(R):                   # Cholesky, column by column
-                acc[0] = gr[tri(j, j)]
-                for i in T.unroll(R):
-                    if i < j:
-                        acc[0] = acc[0] - lf[tri(j, i)] * lf[tri(j, i)]
-                lf[tri(j, j)] = T.rsqrt(T.max(T.max(acc[0], CHOL_RELATIVE_FLOOR * gr[tri(j, j)]), CHOL_ABS_FLOOR))
-                for k in T.unroll(R):
-                    if k > j:
-                        acc[0] = gr[tri(k, j)]
-                        for i in T.unroll(R):
-                            if i < j:
-                                acc[0] = acc[0] - lf[tri(k, i)] * lf[tri(j, i)]
-                        lf[tri(k, j)] = acc[0] * lf[tri(j, j)]
-            for j in T.unroll(R):                   # forward substitution: this thread's row
-                for i in T.unroll(R):
-                    if i < j:
-                        x4[j] = x4[j] - lf[tri(j, i)] * x4[i]
-                x4[j] = x4[j] * lf[tri(j, j)]
+                            gr[c * VEC4 + e] = gr[c * VEC4 + e] + gram_s[g, ps, w, c * VEC4 + e]
+                for j in T.unroll(R):                   # Cholesky, column by column
+                    acc[0] = gr[tri(j, j)]
+                    for i in T.unroll(R):
+                        if i < j:
+                            acc[0] = acc[0] - lf[tri(j, i)] * lf[tri(j, i)]
+                    lf[tri(j, j)] = T.rsqrt(T.max(T.max(acc[0], CHOL_RELATIVE_FLOOR * gr[tri(j, j)]),
+                                                  CHOL_ABS_FLOOR))
+                    for k in T.unroll(R):
+                        if k > j:
+                            acc[0] = gr[tri(k, j)]
+                            for i in T.unroll(R):
+                                if i < j:
+                                    acc[0] = acc[0] - lf[tri(k, i)] * lf[tri(j, i)]
+                            lf[tri(k, j)] = acc[0] * lf[tri(j, j)]
+                for j in T.unroll(R):                   # forward substitution: this thread's row
+                    for i in T.unroll(R):
+                        if i < j:
+                            x4[j] = x4[j] - lf[tri(j, i)] * x4[i]
+                    x4[j] = x4[j] * lf[tri(j, j)]
 
     @T.macro
     def emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s):
@@ -689,7 +611,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for c in T.vectorized(TILE_WORDS):
                 raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
-    return Phases(find_due_programs=find_due_programs, prefetch_program=prefetch_program, stage_program=stage_program, rebuild_state=rebuild_state,
+    return Phases(find_due_programs=find_due_programs, stage_program=stage_program, rebuild_state=rebuild_state,
                   project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
                   orthonormalise=orthonormalise, emit_tokens=emit_tokens, residual=residual,
                   column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
@@ -727,12 +649,6 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             kw_s = T.alloc_shared((GROUPS, KEY_PARTS, PAIRS, K), U32)
             ubw_s = T.alloc_shared((GROUPS, PAIRS, V), U32)
             tokw_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)    # [u side (columns), q side (rows)]
-            pf_ck = T.alloc_shared((GROUPS, CK_WORDS), U32)             # the next program's inputs
-            pf_kb = T.alloc_shared((GROUPS, WIN_WORDS), U32)
-            pf_ub = T.alloc_shared((GROUPS, WIN_WORDS), U32)
-            pf_gb = T.alloc_shared((GROUPS, WIN_WORDS if KDA else CHUNK_WORDS), U32)
-            pf_w = T.alloc_shared((GROUPS, L), F32)
-            pf_pc = T.alloc_shared((GROUPS, K if KDA else CHUNK_WORDS), F32)
             red_s = T.alloc_shared((GROUPS, TILES_PER_SIDE * V, R), F32)
             flat_s = T.view(red_s, (GROUPS, TILES_PER_SIDE * V * R), F32)
             pv_s = T.alloc_shared((GROUPS, K, R), F32)
@@ -742,14 +658,14 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             gate_s = T.alloc_shared((GROUPS, K), F32)
             skn_s = T.alloc_shared((GROUPS, K), F32)
             rsv_s = T.alloc_shared((GROUPS, V), F32)
-            gram_s = T.alloc_shared((GROUPS, CHOLQR_PASSES, 2 * ORTH_WARPS, GRAM_SLOT), F32)
+            gram_s = T.alloc_shared((GROUPS, CHOLQR_PASSES, ORTH_WARPS, GRAM_SLOT), F32)
 
             tx = T.get_thread_binding()
             ranked = T.alloc_local((1,), I32)
             total = T.alloc_local((1,), I32)
             S = T.alloc_local((TILE * TILE,), F32)
             cw = T.alloc_local((TILE * TILE_WORDS,), I32)
-            x4 = T.alloc_local((R,), F32)          # one row of P, then of Q (row t % V)
+            x4 = T.alloc_local((R,), F32)          # one row of P, then of Q (threads t < V)
 
             g = tx // GROUP_THREADS
             t = tx % GROUP_THREADS
@@ -779,30 +695,20 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                     total[0] = ranked[0]
                     in_round = T.min(ranked[0] - rank_lo, G * LIST_CAP)
                     mine = T.max(T.ceildiv(in_round - bid, G), 0)
-                    n_mine = T.ceildiv(mine - g, GROUPS)     # this group's programs: dlist[g + GROUPS * it]
-                    if n_mine > 0:
-                        first = dlist[g]
-                        ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, first // H, first % H, t, g, pf_ck,
-                                            pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
-                    for it in T.serial(n_mine):
+                    for it in T.serial(T.ceildiv(mine - g, GROUPS)):
                         prog = dlist[g + GROUPS * it]
                         slot = prog // H
                         head = prog % H
                         base = T.cast(slot, I64) * slot_stride(H) + T.cast(head * REGION_WORDS + OFF, I64)
-                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
-                        T.sync_threads(bar, GROUP_THREADS)      # every thread's copies of this program landed
-                        ph.stage_program(w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw, pf_ck, pf_kb, pf_ub,
-                                         pf_gb, pf_w, pf_pc, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar)
-                        if it + 1 < n_mine:                     # the buffers are read: fetch the next program
-                            nxt = dlist[g + GROUPS * (it + 1)]
-                            ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, nxt // H, nxt % H, t, g, pf_ck,
-                                                pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
+                        ph.stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, rbase,
+                                         col0, cw, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar)
                         ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s,
                                          sko_s, svo_s, gate_s)
                         # P = orth(S^T q0)
                         ph.project_columns(S, q0_s, 0, g, tr, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.sum_partials(red_s, g, t % K, x4)    # both halves: row t % K of P
+                        if t < K:
+                            ph.sum_partials(red_s, g, t, x4)
                         ph.orthonormalise(x4, gram_s, g, t, lane, bar)
                         if t < K:
                             for r in T.vectorized(R):
@@ -811,7 +717,8 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         # Q = orth(S P)
                         ph.project_rows(S, pv_s, g, tc, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.sum_partials(red_s, g, t % V, x4)
+                        if t < V:
+                            ph.sum_partials(red_s, g, t, x4)
                         ph.orthonormalise(x4, gram_s, g, t, lane, bar)
                         if t < V:
                             for r in T.vectorized(R):
