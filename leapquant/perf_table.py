@@ -11,8 +11,8 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_b1c3f37_all-backends.md (one run, KDA and GDN): TileLang all due 48.0 / 155.7 / 561.1 /
-#: 1102.4 us at batch 16 / 64 / 256 / 512 against Triton's 114.3 / 439.1 / 1685.2 / 3324.0 us, and faster at 1/16 due
+#: source: bench/results/h200_0484d22_all-backends.md (one run, KDA and GDN): TileLang all due 37.5 / 128.7 / 462.7 /
+#: 900.5 us at batch 16 / 64 / 256 / 512 against Triton's 113.4 / 437.0 / 1676.5 / 3310.0 us, and faster at 1/16 due
 #: and none due at every batch too: it is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
