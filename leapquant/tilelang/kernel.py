@@ -87,7 +87,8 @@ CHOL_RELATIVE_FLOOR = 1e-6
 CHOL_ABS_FLOOR = 1e-36
 GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gram matrix, packed row by row
 GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three float4
-VEC4 = 4                                # floats per 16-byte shared-memory access
+VEC4 = 4                                # floats per 16-byte access
+RESET_HALVES = 8                        # fp16 values per 16-byte store
 ORTH_WARPS = V // WARP                  # 4: the warps whose threads hold one row each of P (K rows) or Q (V rows)
 CTA_WARPS = CTA_THREADS // WARP
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
@@ -124,17 +125,16 @@ __device__ __forceinline__ unsigned lq_pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ unsigned lq_pack_f16x2(float lo, float hi) {
   unsigned d; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo)); return d;
 }
-__device__ __forceinline__ float lq_bf16_round(float x) {
-  unsigned d; asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(x)); return __uint_as_float(d << 16);
-}
-// part 0, 1, 2 of the bf16 split x = hi + mid + lo of two keys, packed (each difference is exact in fp32)
+__device__ __forceinline__ float lq_bf16_trunc(float x) { return __uint_as_float(__float_as_uint(x) & 0xffff0000u); }
+// part 0, 1, 2 of the exact split x = hi + mid + lo into bf16 values, two keys packed. Truncation keeps the top 8
+// significant bits; each difference is exact in fp32 and has at most 16, then 8 significant bits left
 __device__ __forceinline__ unsigned lq_key_part(float k0, float k1, int part) {
-  float h0 = lq_bf16_round(k0), h1 = lq_bf16_round(k1);
-  if (part == 0) return lq_pack_bf16x2(h0, h1);
+  float h0 = lq_bf16_trunc(k0), h1 = lq_bf16_trunc(k1);
   float r0 = k0 - h0, r1 = k1 - h1;
-  float m0 = lq_bf16_round(r0), m1 = lq_bf16_round(r1);
-  if (part == 1) return lq_pack_bf16x2(m0, m1);
-  return lq_pack_bf16x2(r0 - m0, r1 - m1);
+  float m0 = lq_bf16_trunc(r0), m1 = lq_bf16_trunc(r1);
+  float a = part == 0 ? h0 : (part == 1 ? m0 : r0 - m0);
+  float b = part == 0 ? h1 : (part == 1 ? m1 : r1 - m1);
+  return __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x7632);
 }
 // byte b (0..3) of a word of int8 codes, as a float
 __device__ __forceinline__ float lq_code(int word, int b) {
@@ -338,10 +338,6 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 for part in T.unroll(KEY_PARTS):
                     kw_s[g, part, pp, col_word(pp, t)] = T.call_extern(U32, "lq_key_part", key[2 * pp],
                                                                        key[2 * pp + 1], part)
-            if KDA:                                 # this thread read the whole column: reset it now
-                pcum[slot, head, t] = 0.0
-                for j in T.unroll(L):
-                    gbuf[slot, head, j, t] = T.cast(HALF_ONE, F16)
         else:                                       # thread per value row
             v = t - K
             svo_s[g, v] = rawf[base + SV_WORD + v]
@@ -354,8 +350,17 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                                                               T.cast(ubuf[slot, head, 2 * pp, v], F32),
                                                               T.cast(ubuf[slot, head, 2 * pp + 1, v], F32))
         T.sync_threads(bar, GROUP_THREADS)
-        if t < L:                                   # every column thread has read w
-            w[slot, head, t] = 0.0
+        # every thread has read the window: reset it, 16 bytes per thread
+        if t < L // VEC4:
+            for c in T.vectorized(VEC4):
+                w[slot, head, t * VEC4 + c] = 0.0
+        if KDA:
+            h0 = t * RESET_HALVES                   # gbuf [L, K] fp16 is 256 x 16 bytes: one store per thread
+            for c in T.vectorized(RESET_HALVES):
+                gbuf[slot, head, h0 // K, h0 % K + c] = T.cast(HALF_ONE, F16)
+            if t < K // VEC4:
+                for c in T.vectorized(VEC4):
+                    pcum[slot, head, t * VEC4 + c] = 0.0
         if not KDA:
             if t == 0:
                 p[slot, head] = 1.0
