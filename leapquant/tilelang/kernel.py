@@ -17,8 +17,7 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
     orthonormalise      CholeskyQR (two passes for Q, one for P) with a relative pivot floor: per pass one group-wide
                         reduction of the 4 x 4 Gram matrix, its Cholesky factor in every thread's registers, each
                         thread's row times L^-T
-    emit_tokens         u = fp16(clamp(U^T)), q = fp16(Q^T) staged as the pool's token rows, and as the residual's
-                        mma operands; publish_tokens stores the rows, 16 bytes per thread
+    emit_tokens         u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool, and as the residual's mma operands
     residual            E = S - q^T u on the tensor cores (exact fp16 products: no fp16 intermediate of the state)
     column_scales       s_k = max(sqrt(mean_v |E|), EPS)
     row_scales          s_v = max(max_k |E| / s_k, EPS)
@@ -90,7 +89,6 @@ GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gr
 GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three float4
 VEC4 = 4                                # floats per 16-byte access
 RESET_HALVES = 8                        # fp16 values per 16-byte store
-TOKEN_CHUNKS = R * (K + V) // RESET_HALVES   # 128: the checkpoint's token rows in 16-byte stores
 ORTH_WARPS = V // WARP                  # 4: the warps whose threads hold one row each of P (K rows) or Q (V rows)
 CTA_WARPS = CTA_THREADS // WARP
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
@@ -191,7 +189,6 @@ def shared_bytes(cfg: FlushConfig) -> int:
     per_group = 4 * (KEY_PARTS * PAIRS * K   # window keys, bf16 parts, packed in pairs
                      + PAIRS * V                # window values, bf16 pairs
                      + 2 * TOKEN_PAIRS * V      # tokens (old, then new), fp16 pairs
-                     + R * (K + V) // 2         # the new token rows as stored
                      + TILES_PER_SIDE * R * V   # reduction partials
                      + 2 * V * R                # P and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
@@ -211,7 +208,6 @@ class Phases:
     sum_partials: object = None
     orthonormalise: object = None
     emit_tokens: object = None
-    publish_tokens: object = None
     residual: object = None
     column_scales: object = None
     row_scales: object = None
@@ -536,17 +532,16 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                     x4[j] = x4[j] * lf[tri(j, j)]
 
     @T.macro
-    def emit_tokens(t, g, red_s, qv_s, tokw_s, toks_s):
-        """u = fp16(clamp(U^T)) (U summed here from its partials) and q = fp16(Q^T) into the token rows staged in
-        shared memory (``publish_tokens`` stores them to the pool after the next barrier); the same fp16 values,
-        q negated (exactly), to shared memory as the operands of the residual's rank-4 update."""
+    def emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s):
+        """u = fp16(clamp(U^T)) (U summed here from its partials) and q = fp16(Q^T) to the pool; the same fp16
+        values, q negated (exactly), to shared memory as the operands of the residual's rank-4 update."""
         tok = T.alloc_local((R,), F32)
         if t < K:
             U4 = T.alloc_local((R,), F32)
             sum_partials(red_s, g, t, U4)
             for r in T.unroll(R):
                 uh = T.cast(T.min(T.max(U4[r], -FP16_MAX), FP16_MAX), F16)
-                toks_s[g, r * TOK_ROW + t] = uh
+                rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t] = uh
                 tok[r] = T.cast(uh, F32)
             for pr in T.unroll(R // 2):
                 tokw_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
@@ -554,18 +549,10 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             v = t - K
             for r in T.unroll(R):
                 qh = T.cast(qv_s[g, v, r], F16)
-                toks_s[g, r * TOK_ROW + K + v] = qh
+                rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v] = qh
                 tok[r] = -T.cast(qh, F32)
             for pr in T.unroll(R // 2):
                 tokw_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
-
-    @T.macro
-    def publish_tokens(rawh, base, t, g, toks_s):
-        """The staged token rows (R x (K + V) fp16, 2 KB) to the pool, 16 bytes per thread (two-byte stores from
-        the thread-per-column layout would be 64-byte warp stores into partial sectors)."""
-        if t < TOKEN_CHUNKS:
-            for c in T.vectorized(RESET_HALVES):
-                rawh[base * HALVES_PER_WORD + TOK_HALF + t * RESET_HALVES + c] = toks_s[g, t * RESET_HALVES + c]
 
     @T.macro
     def residual(S, tokw_s, g, grp, quad, band_r, band_c):
@@ -637,8 +624,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
 
     return Phases(find_due_programs=find_due_programs, stage_program=stage_program, rebuild_state=rebuild_state,
                   project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
-                  orthonormalise=orthonormalise, emit_tokens=emit_tokens, publish_tokens=publish_tokens,
-                  residual=residual, column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
+                  orthonormalise=orthonormalise, emit_tokens=emit_tokens, residual=residual,
+                  column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
 
 
 def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
@@ -673,7 +660,6 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             kw_s = T.alloc_shared((GROUPS, KEY_PARTS, PAIRS, K), U32)
             ubw_s = T.alloc_shared((GROUPS, PAIRS, V), U32)
             tokw_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)    # [u side (columns), q side (rows)]
-            toks_s = T.alloc_shared((GROUPS, R * TOK_ROW), F16)            # the new token rows, as in the pool
             red_s = T.alloc_shared((GROUPS, TILES_PER_SIDE * V, R), F32)
             flat_s = T.view(red_s, (GROUPS, TILES_PER_SIDE * V * R), F32)
             pv_s = T.alloc_shared((GROUPS, K, R), F32)
@@ -752,9 +738,8 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         # U = S^T Q, the fp16 tokens
                         ph.project_columns(S, qv_s, g, g, tr, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.emit_tokens(t, g, red_s, qv_s, tokw_s, toks_s)
+                        ph.emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.publish_tokens(rawh, base, t, g, toks_s)
                         ph.residual(S, tokw_s, g, grp, quad, band_r, band_c)
                         ph.column_scales(S, rawf, base, t, g, tr, col0, flat_s, skn_s, bar)
                         ph.row_scales(S, rawf, base, t, g, tc, rbase, flat_s, rsv_s, bar)
