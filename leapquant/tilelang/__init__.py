@@ -156,8 +156,9 @@ dispatch.register(dispatch.Backend(
     name="tilelang",
     flush=flush,
     reasons=reasons,
-    description="persistent TileLang kernel (sm_90a / sm_100a): fp32 state tiles in registers, "
-                "two consumer groups per CTA, due programs balanced across CTAs by a rank scan",
+    description="persistent TileLang kernel (sm_90a / sm_100a): fp32 state blocks in registers, rank updates "
+                "on the tensor cores with exact operands, two consumer groups per CTA, due programs balanced "
+                "across CTAs by a rank scan",
     warmup=warmup,
     versions=versions,
 ))
