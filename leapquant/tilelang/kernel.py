@@ -643,6 +643,19 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
     n_gbuf = (NS, H, L, K) if KDA else (1, 1, 1, 1)
     n_p = (1, 1) if KDA else (NS, H)
 
+    @T.macro
+    def orthonormal_basis(red_s, gram_s, out_s, x4, g, t, lane, bar, passes):
+        """After a product's partials are in ``red_s``: their sums (row t of the 128 x R result in thread t < 128),
+        orthonormalised in place, to ``out_s[g]``; the group is synchronised before and after."""
+        T.sync_threads(bar, GROUP_THREADS)
+        if t < V:                               # K == V: the row count of either product
+            ph.sum_partials(red_s, g, t, x4)
+        ph.orthonormalise(x4, gram_s, g, t, lane, bar, passes)
+        if t < V:
+            for r in T.vectorized(R):
+                out_s[g, t, r] = x4[r]
+        T.sync_threads(bar, GROUP_THREADS)
+
     @T.prim_func
     def leapquant_flush(raw32: T.Tensor((NW,), I32), rawf: T.Tensor((NW,), F32), rawh: T.Tensor((NH,), F16),
                         kbuf: T.Tensor((NS, H, L, K), BF16), ubuf: T.Tensor((NS, H, L, V), BF16),
@@ -717,24 +730,10 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                                          sko_s, svo_s, gate_s)
                         # P = orth(S^T q0)
                         ph.project_columns(S, q0_s, 0, g, tr, rbase, col0, red_s)
-                        T.sync_threads(bar, GROUP_THREADS)
-                        if t < K:
-                            ph.sum_partials(red_s, g, t, x4)
-                        ph.orthonormalise(x4, gram_s, g, t, lane, bar, P_CHOLQR_PASSES)
-                        if t < K:
-                            for r in T.vectorized(R):
-                                pv_s[g, t, r] = x4[r]
-                        T.sync_threads(bar, GROUP_THREADS)
+                        orthonormal_basis(red_s, gram_s, pv_s, x4, g, t, lane, bar, P_CHOLQR_PASSES)
                         # Q = orth(S P)
                         ph.project_rows(S, pv_s, g, tc, rbase, col0, red_s)
-                        T.sync_threads(bar, GROUP_THREADS)
-                        if t < V:
-                            ph.sum_partials(red_s, g, t, x4)
-                        ph.orthonormalise(x4, gram_s, g, t, lane, bar, CHOLQR_PASSES)
-                        if t < V:
-                            for r in T.vectorized(R):
-                                qv_s[g, t, r] = x4[r]
-                        T.sync_threads(bar, GROUP_THREADS)
+                        orthonormal_basis(red_s, gram_s, qv_s, x4, g, t, lane, bar, CHOLQR_PASSES)
                         # U = S^T Q, the fp16 tokens
                         ph.project_columns(S, qv_s, g, g, tr, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
