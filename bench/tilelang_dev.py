@@ -106,23 +106,18 @@ def cmd_check(args) -> int:
             failed += not v.passed
             lines.append(f"families {gate} batch={batch}x32: worst score {v.worst_score:.4f} :: {v.message}")
             print(lines[-1], flush=True)
-        for fam in ("tiny", "pcum_below_1000", "window_rank2", "rank1_noise", "zero", "huge"):
-            case = families.make_case(8, 32, gate, seed=3, families=[fam]).to(dev)
+        hard = [(f"{fam} {gate} 8x32", families.make_case(8, 32, gate, seed=3, families=[fam]))
+                for fam in ("tiny", "pcum_below_1000", "window_rank2", "rank1_noise", "zero", "huge")]
+        hard += [(f"heads={heads} {gate} 32 rows", families.make_case(32, heads, gate, seed=heads))
+                 for heads in (16, 8)]
+        for name, case in hard:
+            case = case.to(dev)
             S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"],
                                       case.tensors["w"], **case.gate_kwargs())
             v = criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels,
-                                name=f"tilelang {gate} {fam}")
+                                name=f"tilelang {name}")
             failed += not v.passed
-            lines.append(f"family {fam} {gate} 8x32: worst score {v.worst_score:.4f} :: {v.message}")
-            print(lines[-1], flush=True)
-        for heads in (16, 8):
-            case = families.make_case(32, heads, gate, seed=heads).to(dev)
-            S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"],
-                                      case.tensors["w"], **case.gate_kwargs())
-            v = criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels,
-                                name=f"tilelang {gate} heads={heads}")
-            failed += not v.passed
-            lines.append(f"heads={heads} {gate} 32 rows: worst score {v.worst_score:.4f} :: {v.message}")
+            lines.append(f"{name}: worst score {v.worst_score:.4f} :: {v.message}")
             print(lines[-1], flush=True)
     print(f"CHECK {'PASS' if not failed else f'FAIL ({failed})'}")
     return 1 if failed else 0

@@ -30,7 +30,7 @@ without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sy
 """
 
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..layout import (CHECKPOINT_BYTES, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE,
                       V, slot_stride)
@@ -212,7 +212,6 @@ class Phases:
     column_scales: object = None
     row_scales: object = None
     store_codes: object = None
-    extra: dict = field(default_factory=dict)
 
 
 def flush_phases(cfg: FlushConfig) -> Phases:
