@@ -14,7 +14,7 @@ reduction), fp16 tokens, residual E = S - q^T u with the rounded tokens, smoothi
 reset.
 
 Both kernels run unchanged under ``TRITON_INTERPRET=1`` (the CPU test tier): bf16/fp16 values are converted to fp32
-right after each load, and there rounding to nearest even uses fp32 arithmetic instead of libdevice's rint (which the
+right after each load, and the codes are converted with fp32 and integer arithmetic only (no libdevice, which the
 interpreter lacks).
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V,
                       Pool, slot_stride)
@@ -69,9 +68,17 @@ _CODES_BYTE = _const(CODES_BYTE)
 _SK_WORD = _const(SK_BYTE // 4)
 _SV_WORD = _const(SV_BYTE // 4)
 _TOK_HALF = _const(TOK_BYTE // 2)
-#: 1.5 * 2^23: adding and subtracting it rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (the fp32
-#: adder's own rounding); |codes| <= 127 is far inside that range
+#: 1.5 * 2^23: adding it to an fp32 |x| < 2^22 rounds x to the nearest integer, ties to even (the fp32 adder's own
+#: rounding), and leaves that integer in the low mantissa bits: the low byte of the sum's bits is the int8 code in two's
+#: complement. So the codes are made without a rounding or a float-to-int conversion instruction (FRND, F2I issue at a
+#: quarter of the FMA rate); |codes| <= 127 is far inside that range
 _RINT_MAGIC = _const(12582912.0)
+#: a code byte b (unsigned view) as a float: (b ^ 0x80) is code + 128 in 0..255; as the low mantissa byte of 2^23 it
+#: gives the float 2^23 + code + 128, and subtracting 2^23 + 128 is exact (no I2F)
+_CODE_BIAS_BITS = _const(0x4B000000)
+_CODE_SIGN = _const(0x80)
+_CODE_OFFSET = _const(8388736.0)
+_BYTE = _const(0xFF)
 #: every region starts on a multiple of this many fp32 words (OFF, the slot stride and the region size are)
 _ALIGN = _const(math.gcd(OFF, REGION_WORDS))
 
@@ -176,16 +183,17 @@ def _orthonormalize(c0, c1, c2, c3):
     return _cholqr(c0, c1, c2, c3)
 
 
-if INTERPRETED:
-    @triton.jit
-    def _rint(y):
-        """Round to nearest, ties to even, in fp32 arithmetic (the interpreter has no libdevice)."""
-        return (y + _RINT_MAGIC) - _RINT_MAGIC
-else:
-    @triton.jit
-    def _rint(y):
-        """Round to nearest, ties to even: one cvt.rni (FRND) per element."""
-        return libdevice.rint(y)
+@triton.jit
+def _code_to_f32(b):
+    """int8 codes read as unsigned bytes (uint8) -> their value as fp32, by integer ops and one exact FADD."""
+    biased = (b.to(tl.int32) ^ _CODE_SIGN) | _CODE_BIAS_BITS
+    return biased.to(tl.float32, bitcast=True) - _CODE_OFFSET
+
+
+@triton.jit
+def _f32_to_code(y):
+    """round_half_even(y) for |y| < 2^22 as an int8 code byte (uint8 bits), by one FADD and integer ops."""
+    return ((y + _RINT_MAGIC).to(tl.int32, bitcast=True) & _BYTE).to(tl.uint8)
 
 
 @triton.jit
@@ -200,7 +208,7 @@ def _store_token(tok, r, U_r, Q_r, rk, rv):
 
 
 @triton.jit
-def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
+def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
                slot, head, H, SS, IS_KDA: tl.constexpr, ALIGN: tl.constexpr):
     """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]; scratch: this persistent
     program's L x K fp32 staging rows."""
@@ -223,7 +231,7 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
         wp = w_ptr + prog * _L
         gb = gbuf_ptr + prog * (_L * _K)
         gp = gate_ptr + prog * _K
-    codes_p = raw_i8 + region * 4 + _CODES_BYTE + rv[:, None] * _K + rk[None, :]
+    codes_p = raw_u8 + region * 4 + _CODES_BYTE + rv[:, None] * _K + rk[None, :]
     sk_p = raw_f32 + region + _SK_WORD + rk
     sv_p = raw_f32 + region + _SV_WORD + rv
     tok = raw_f16 + region * 2 + _TOK_HALF
@@ -243,7 +251,7 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
         gate = tl.load(gate_ptr + prog)                         # scalar p
         col = s_k / _QMAX
         row = s_v * gate
-    S = codes.to(tl.float32) * col[None, :] * row[:, None]
+    S = _code_to_f32(codes) * col[None, :] * row[:, None]
     for r in tl.static_range(_R):
         u_old = tl.load(tok + r * _TOK_ROW + rk).to(tl.float32) * gate
         q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32)
@@ -300,8 +308,7 @@ def _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
 
     # ---- (6) codes = round_half_even(127 x / s_v) ----
     # |x| <= s_v by construction, so |y| <= 127 (1 + a few ulp) rounds into [-127, 127]: no clamp needed
-    y = _rint(x * (_QMAX / s_v)[:, None])
-    tl.store(codes_p, y.to(tl.int8))
+    tl.store(codes_p, _f32_to_code(x * (_QMAX / s_v)[:, None]))
 
     # ---- (7) window reset (hcnt stays L: "flushed, empty") ----
     tl.store(wp + tl.arange(0, _L), tl.zeros([_L], tl.float32))
@@ -323,7 +330,7 @@ def _due_item(due_ptr, ends, starts, ch, t, total, CHUNK: tl.constexpr):
 
 # ---- launch 2: flush the due programs --------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_chunks", "H", "SS"], do_not_specialize_on_alignment=["q0_ptr"])
-def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch_ptr,
+def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch_ptr,
                due_ptr, count_ptr,
                num_chunks, H, SS, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
                MAX_CHUNKS: tl.constexpr, ALIGN: tl.constexpr):
@@ -346,7 +353,7 @@ def _flush_due(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     while t < total:                               # (a while loop: the interpreter cannot range over tensors)
         t_next = t + G
         code_next = _due_item(due_ptr, ends, starts, ch, t_next, total, CHUNK)   # in flight during this item
-        _flush_one(raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
+        _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
                    code // H, code % H, H, SS, IS_KDA, ALIGN)
         code = code_next
         t = t_next
@@ -378,7 +385,7 @@ class _Workspace:
     max_chunks: int
     due: torch.Tensor              # int32 [max_chunks * CHUNK]
     count: torch.Tensor            # int32 [max_chunks]
-    raw_i8: torch.Tensor
+    raw_u8: torch.Tensor
     raw_f16: torch.Tensor
     programs: int = 0              # persistent programs resident at once (0: not measured yet)
     scratch: torch.Tensor | None = None   # fp32 [programs, L, K]: each persistent program's key rows (made with programs)
@@ -393,7 +400,7 @@ def _capturing(pool: Pool) -> bool:
 
 def _workspace(pool: Pool, rows: int) -> _Workspace:
     ws = _WORKSPACES.get(pool)
-    if ws is not None and ws.rows >= rows and ws.raw_i8.data_ptr() == pool.raw.data_ptr():
+    if ws is not None and ws.rows >= rows and ws.raw_u8.data_ptr() == pool.raw.data_ptr():
         return ws
     if _capturing(pool):
         raise RuntimeError(f"leapquant triton flush: call leapquant.warmup(pool) (or flush once) with at least {rows} "
@@ -403,7 +410,7 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
     ws = _Workspace(rows=cap, max_chunks=max_chunks,
                     due=torch.zeros(max_chunks * CHUNK, dtype=torch.int32, device=pool.device),
                     count=torch.zeros(max_chunks, dtype=torch.int32, device=pool.device),
-                    raw_i8=pool.raw.view(torch.int8), raw_f16=pool.raw.view(torch.float16))
+                    raw_u8=pool.raw.view(torch.uint8), raw_f16=pool.raw.view(torch.float16))
     _WORKSPACES[pool] = ws
     return ws
 
@@ -416,7 +423,7 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tu
     # before the grid size is known (compiling to read the registers) one program's rows stand in: same type and
     # alignment, so the same compilation; no program is launched with them
     scratch = ws.scratch if ws.scratch is not None else ws.due.new_zeros(L * K, dtype=torch.float32)
-    return (pool.raw, ws.raw_i8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, scratch, ws.due, ws.count,
+    return (pool.raw, ws.raw_u8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, scratch, ws.due, ws.count,
             chunks, pool.num_heads, slot_stride(pool.num_heads))
 
 
