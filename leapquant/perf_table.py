@@ -11,8 +11,8 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_c50b9a3_all-backends.md (one run, KDA and GDN): TileLang all due 36.4 / 124.2 / 442.3 /
-#: 868.7 us at batch 16 / 64 / 256 / 512 against Triton's 113.9 / 439.6 / 1684.7 / 3327.2 us, and faster at 1/16 due
+#: source: bench/results/h200_940cf7f_all-backends.md (one run, KDA and GDN): TileLang all due 34.8 / 117.2 / 421.4 /
+#: 819.9 us at batch 16 / 64 / 256 / 512 against Triton's 113.4 / 435.4 / 1665.4 / 3285.3 us, and faster at 1/16 due
 #: and none due at every batch too: it is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
