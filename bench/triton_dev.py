@@ -161,7 +161,7 @@ def main() -> None:
     for gate in a.gate:
         for vi, variant in enumerate(a.variants):
             w_, a_, *r_ = variant.split(":")
-            warps = fm.FLUSH_WARPS = int(w_[1:])
+            fm.FLUSH_WARPS = int(w_[1:])
             fm.ALIGN_HINTS = a_ == "a1"
             fm.MAX_REGISTERS = int(r_[0][1:]) if r_ else 0
             fm._WORKSPACES.clear()

@@ -8,7 +8,9 @@ tiny head, heads 16 and 8, the pool footprint (poison, untouched bytes, window r
 """
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -44,6 +46,25 @@ def test_kernel_compiles_for_target(monkeypatch, arch, sms, gate, heads):
     assert "leapquant_flush" in src
     assert "__launch_bounds__(512" in src, "one CTA of 512 threads per SM is what the register budget assumes"
     assert tl_kernel.shared_bytes(cfg) <= 227 * 1024
+
+
+def test_clock_profiling_build_traces(tmp_path):
+    """bench/tilelang_clock.py's profiling build of the shipped generator: a clock stamp after every statement of the
+    program loop, and the result still traces to a kernel (the profile's segments are the phases, not guesses)."""
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench_dir)
+    try:
+        import tilelang_clock
+        import tilelang_dev
+    finally:
+        sys.path.remove(bench_dir)
+    out = tmp_path / "prof_kernel.py"
+    names = tilelang_clock.build(tl_kernel.__file__, str(out))
+    assert [n.split("_", 1)[1] for n in names[:3]] == ["stage_program", "rebuild_state", "project_columns"]
+    assert names[-1].endswith("store_codes")
+    mod = tilelang_dev.load_kernel_module(str(out))
+    script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()
+    assert script.count("lq_mark") == len(names)
 
 
 def test_config_rejects_other_geometries():
