@@ -6,10 +6,10 @@
 ``build`` rewrites the generator's program loop so that thread 0 of each consumer group reads clock64() after every
 statement of the loop (each phase, each group barrier) and adds the cycles since its previous stamp to a counter in
 the pool's header words (``raw[0:2 * (segments + 1)]``: [programs of group 0, of group 1, then one pair per
-segment]); the shipped kernel keeps no counters. ``run`` precompiles nothing: build the file, precompile it with
-``tilelang_dev.py``'s cache directory, then run it. A segment that ends at a group barrier measures the group's
-critical path; one that does not (rebuild, the products) measures warp 0's own progress. ``batch 4`` (128
-programs on 132 CTAs) leaves one group alone on its SM: the uncontended latency of a program.
+segment]); the shipped kernel keeps no counters. ``run`` compiles the build on first use (to spare GPU time,
+precompile it on the CPU with the same TILELANG_CACHE_DIR and carry the cache). A segment that ends at a group barrier
+measures the group's critical path; one that does not (rebuild, the products) measures warp 0's own progress.
+``batch 4`` (128 programs on 132 CTAs) leaves one group alone on its SM: the uncontended latency of a program.
 """
 from __future__ import annotations
 
@@ -66,13 +66,12 @@ def run(path: str, points: list[str]) -> None:
     import torch
 
     import tilelang_dev as td
-    from leapquant.layout import Pool
     names = open(path + ".segments").read().split("\n")
     mod = td.load_kernel_module(path)
     for point in points or ["256:all"]:
         batch, due = point.split(":")
         cfg, nsets, call = td._timing_pool(int(batch), "kda", due)
-        pool = [c.cell_contents for c in call.__closure__ if isinstance(c.cell_contents, Pool)][0]
+        pool = call.pool
         kern = mod.compile_flush(mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))
         for s in range(nsets):                  # warm-up (first touch), then one counted call per slot set
             call(kern, s)
