@@ -18,8 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from leapquant import families  # noqa: E402
-from leapquant.layout import EPS, FP16_MAX, QMAX  # noqa: E402
-from leapquant.reference import orthonormalize, rebuild  # noqa: E402
+from leapquant.reference import encode, orthonormalize, rebuild  # noqa: E402
 
 TF32_DROPPED_BITS = 0x1FFF          # the 13 low mantissa bits a tf32 operand ignores
 VARIANTS = {"P": (True, False, False), "SP": (False, True, False), "U": (False, False, True),
@@ -36,15 +35,7 @@ def compress(S: torch.Tensor, q0: torch.Tensor, in_p: bool, in_sp: bool, in_u: b
     Sat = Sa.transpose(-1, -2)
     P = orthonormalize((Sat if in_p else St) @ q0)
     Q = orthonormalize((Sa if in_sp else S) @ P)
-    U = (Sat if in_u else St) @ Q
-    u = U.transpose(-1, -2).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-    q = Q.transpose(-1, -2).to(torch.float16)
-    E = S - q.float().transpose(-1, -2) @ u.float()
-    s_k = torch.sqrt(E.abs().mean(dim=-2)).clamp_min(EPS)
-    x = E / s_k.unsqueeze(-2)
-    s_v = x.abs().amax(dim=-1).clamp_min(EPS)
-    codes = torch.round(x * (QMAX / s_v).unsqueeze(-1)).clamp(-QMAX, QMAX).to(torch.int8)
-    return codes, s_k, s_v, u, q
+    return encode(S, Q, (Sat if in_u else St) @ Q)
 
 
 def main() -> None:

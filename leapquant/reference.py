@@ -97,7 +97,14 @@ def compress(S: torch.Tensor, q0: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     St = S.transpose(-1, -2)
     P = orthonormalize(St @ q0.to(dt))                   # [..., K, R]
     Q = orthonormalize(S @ P)                            # [..., V, R]
-    U = St @ Q                                           # [..., K, R]
+    return encode(S, Q, St @ Q)                          # U = S^T Q [..., K, R]
+
+
+def encode(S: torch.Tensor, Q: torch.Tensor, U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor, torch.Tensor]:
+    """Steps 2-5 of the re-compression: fp16 tokens from the basis Q [..., V, R] and U = S^T Q [..., K, R], the
+    residual with the rounded tokens, the smoothing scales and the codes. Same return as :func:`compress`."""
+    dt = S.dtype
     u = U.transpose(-1, -2).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     q = Q.transpose(-1, -2).to(torch.float16)
     E = S - q.to(dt).transpose(-1, -2) @ u.to(dt)
