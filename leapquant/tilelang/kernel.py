@@ -190,13 +190,29 @@ class FlushConfig:
         return {"kind": "cuda", "arch": self.arch}
 
 
+def p_row(k):
+    """Row of P's k-th row in its shared array: one 16-byte chunk of padding after every 8 rows, so that the four quads
+    of a quarter-warp in S P (rows 8 quad + j, 128 bytes apart: one bank quad without the padding) read four
+    different bank quads."""
+    return k + (k >> TILE_BITS)
+
+
+P_ROWS = K + K // TILE                  # P's shared rows with that padding
+#: stride (floats) of the scales' partial planes: padded so that the writers of one wavefront hit different banks
+#: (column sums: 16-byte stores, a quarter-warp = lane rows 2m, 2m + 1 of consecutive planes x four quads 32 bytes
+#: apart: one 16-byte chunk of padding per plane staggers the two planes; row maxima: 4-byte stores, the four quads
+#: write consecutive planes: 8 floats of padding put them 8 banks apart, beside the 8 rows of a quad)
+COL_PLANE = K + VEC4
+ROW_PLANE = V + TILE
+
+
 def shared_bytes(cfg: FlushConfig) -> int:
     """Static shared memory of the kernel (checked against the device's limit by ``reasons``)."""
     per_group = 4 * (KEY_PARTS * PAIRS * K   # window keys, bf16 parts, packed in pairs
                      + PAIRS * V                # window values, bf16 pairs
                      + 2 * TOKEN_PAIRS * V      # tokens (old, then new), fp16 pairs
                      + TILES_PER_SIDE * R * V   # reduction partials
-                     + 2 * V * R                # P and Q
+                     + (P_ROWS + V) * R         # P (padded rows) and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
                      + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT)  # Gram partials of the orthonormalisation
     scan = 4 * (cfg.rows_per_chunk + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
@@ -237,10 +253,14 @@ def flush_phases(cfg: FlushConfig) -> Phases:
 
     def swizzled(part, o):
         """Index of the 4-float chunk of output row ``o`` in reduction plane ``part``: the chunk is XOR-permuted
-        within its group of 8 so that both the per-tile writers (8 lanes along a row or a column of the thread grid)
-        and the per-output readers hit 8 different bank quads."""
+        within its group of 8 so that every quarter-warp (the 8 lanes a 16-byte access serves per wavefront) of the
+        per-tile writers and of the per-output readers hits 8 different bank quads. A quarter-warp of writers is
+        two lane rows (grp = 2m, 2m + 1) x four quads: the plane's bits 0 and 1 (grp's low bit, or the quad) go to
+        bits 2 and 1 of the chunk, clear of the bits the output index varies (the quad in bits 0-1 of o >> 3, or
+        grp in bit 0 of o)."""
         low = TILE - 1                                  # the 8 chunks of one group, and the group's index bits
-        return part * V + (o & ~low) + ((o & low) ^ ((o >> TILE_BITS) & low) ^ (part & low))
+        plane = ((part & 1) << 2) | (part & 2)
+        return part * V + (o & ~low) + ((o & low) ^ ((o >> TILE_BITS) & low) ^ plane)
 
     # ---- ranking of the due programs --------------------------------------------------------------------------------
     @T.macro
@@ -450,14 +470,14 @@ def flush_phases(cfg: FlushConfig) -> Phases:
 
     @T.macro
     def project_rows(S, x_s, g, tc, rbase, col0, red_s):
-        """Partials of S x (x: K x R) over this tile's columns, to reduction plane ``tc``."""
+        """Partials of S x (x = P: K x R, its rows at p_row) over this tile's columns, to reduction plane ``tc``."""
         acc = T.alloc_local((TILE * R,), F32)
         xv = T.alloc_local((R,), F32)
         for e in T.unroll(TILE * R):
             acc[e] = 0.0
         for j in T.unroll(TILE):
             for r in T.vectorized(R):
-                xv[r] = x_s[g, col0 + j, r]
+                xv[r] = x_s[g, p_row(col0 + j), r]
             for i in T.unroll(TILE):
                 for r in T.unroll(R):
                     acc[i * R + r] = acc[i * R + r] + S[i * TILE + j] * xv[r]
@@ -574,13 +594,13 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for i in T.unroll(TILE):
                 part[j] = part[j] + T.abs(S[i * TILE + j])
         for j in T.vectorized(TILE):
-            flat_s[g, tr * K + col0 + j] = part[j]
+            flat_s[g, tr * COL_PLANE + col0 + j] = part[j]
         T.sync_threads(bar, GROUP_THREADS)
         if t < K:
             tot = T.alloc_local((1,), F32)
             tot[0] = 0.0
             for pl in T.unroll(TILES_PER_SIDE):
-                tot[0] = tot[0] + flat_s[g, pl * K + t]
+                tot[0] = tot[0] + flat_s[g, pl * COL_PLANE + t]
             sk = T.max(T.sqrt(tot[0] / V), EPS)
             rawf[base + SK_WORD + t] = sk
             skn_s[g, t] = 1.0 / sk                  # one division per column; the elements are multiplied
@@ -600,13 +620,13 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for j in T.unroll(TILE):
                 part[i] = T.max(part[i], T.abs(S[i * TILE + j]))
         for i in T.unroll(TILE):
-            flat_s[g, tc * V + rbase + ROW_STEP * i] = part[i]
+            flat_s[g, tc * ROW_PLANE + rbase + ROW_STEP * i] = part[i]
         T.sync_threads(bar, GROUP_THREADS)
         if t < V:
             mx = T.alloc_local((1,), F32)
             mx[0] = 0.0
             for pl in T.unroll(TILES_PER_SIDE):
-                mx[0] = T.max(mx[0], flat_s[g, pl * V + t])
+                mx[0] = T.max(mx[0], flat_s[g, pl * ROW_PLANE + t])
             sv = T.max(mx[0], EPS)
             rawf[base + SV_WORD + t] = sv
             rsv_s[g, t] = QMAXF / sv
@@ -649,16 +669,16 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
     n_p = (1, 1) if KDA else (NS, H)
 
     @T.macro
-    def orthonormal_basis(red_s, gram_s, out_s, x4, g, t, lane, bar, passes):
+    def orthonormal_basis(red_s, gram_s, out_s, out_row, x4, g, t, lane, bar, passes):
         """After a product's partials are in ``red_s``: their sums (row t of the 128 x R result in thread t < 128),
-        orthonormalised in place, to ``out_s[g]``; the group is synchronised before and after."""
+        orthonormalised in place, to row ``out_row`` of ``out_s[g]``; the group is synchronised before and after."""
         T.sync_threads(bar, GROUP_THREADS)
         if t < V:                               # K == V: the row count of either product
             ph.sum_partials(red_s, g, t, x4)
         ph.orthonormalise(x4, gram_s, g, t, lane, bar, passes)
         if t < V:
             for r in T.vectorized(R):
-                out_s[g, t, r] = x4[r]
+                out_s[g, out_row, r] = x4[r]
         T.sync_threads(bar, GROUP_THREADS)
 
     @T.prim_func
@@ -680,7 +700,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             tokw_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)    # [u side (columns), q side (rows)]
             red_s = T.alloc_shared((GROUPS, TILES_PER_SIDE * V, R), F32)
             flat_s = T.view(red_s, (GROUPS, TILES_PER_SIDE * V * R), F32)
-            pv_s = T.alloc_shared((GROUPS, K, R), F32)
+            pv_s = T.alloc_shared((GROUPS, P_ROWS, R), F32)
             qv_s = T.alloc_shared((GROUPS, V, R), F32)
             sko_s = T.alloc_shared((GROUPS, K), F32)
             svo_s = T.alloc_shared((GROUPS, V), F32)
@@ -735,10 +755,10 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                                          sko_s, svo_s, gate_s)
                         # P = orth(S^T q0)
                         ph.project_columns(S, q0_s, 0, g, tr, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, pv_s, x4, g, t, lane, bar, P_CHOLQR_PASSES)
+                        orthonormal_basis(red_s, gram_s, pv_s, p_row(t), x4, g, t, lane, bar, P_CHOLQR_PASSES)
                         # Q = orth(S P)
                         ph.project_rows(S, pv_s, g, tc, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, qv_s, x4, g, t, lane, bar, CHOLQR_PASSES)
+                        orthonormal_basis(red_s, gram_s, qv_s, t, x4, g, t, lane, bar, CHOLQR_PASSES)
                         # U = S^T Q, the fp16 tokens
                         ph.project_columns(S, qv_s, g, g, tr, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
