@@ -29,6 +29,21 @@ from leapquant.layout import L, Pool, due_program_bytes
 
 import leapquant.triton  # noqa: F401  (registers the backend)
 fm = sys.modules["leapquant.triton.flush"]
+SHIPPED = fm._flush_due
+SHIPPED_KNOBS = (fm.FLUSH_WARPS, fm.ALIGN_HINTS, fm.MAX_REGISTERS)
+
+
+def kernel_from_file(path: str):
+    """``_flush_due`` of another version of leapquant/triton/flush.py (e.g. ``git show REV:leapquant/triton/flush.py
+    > FILE``), imported inside the package so its relative imports work; it must take the shipped launcher's
+    arguments (A/B of kernel versions in one run, through the same launcher and timing)."""
+    import importlib.util
+    name = "leapquant.triton._ab_" + os.path.basename(path).replace(".", "_").replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod._flush_due
 
 SETS = 8                  #: disjoint slot sets flushed in rotation (L2-cold)
 SLEEP_CYCLES = 20_000_000  #: ~10 ms at 2 GHz: the queue fills behind it
@@ -139,7 +154,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256, 512])
     ap.add_argument("--variants", nargs="+", default=[f"w{fm.FLUSH_WARPS}:a{int(fm.ALIGN_HINTS)}"],
-                    help="kernel variants warps:align-hints[:register cap], e.g. w8:a0 w8:a1 w16:a0 w8:a0:r128; "
+                    help="kernel variants warps:align-hints[:register cap][@kernel file], e.g. w8:a0 w8:a1 w16:a0 "
+                         "w8:a0:r128 w8:a1@old_flush.py; "
                          "the first at every batch")
     ap.add_argument("--variant-batch", nargs="+", type=int, default=[256], help="batches of the other variants")
     ap.add_argument("--gate", nargs="+", default=["kda"])
@@ -160,7 +176,9 @@ def main() -> None:
     rows = []
     for gate in a.gate:
         for vi, variant in enumerate(a.variants):
-            w_, a_, *r_ = variant.split(":")
+            knobs, _, path = variant.partition("@")
+            fm._flush_due = kernel_from_file(path) if path else SHIPPED
+            w_, a_, *r_ = knobs.split(":")
             fm.FLUSH_WARPS = int(w_[1:])
             fm.ALIGN_HINTS = a_ == "a1"
             fm.MAX_REGISTERS = int(r_[0][1:]) if r_ else 0
@@ -188,6 +206,9 @@ def main() -> None:
                 del pool
                 fm._WORKSPACES.clear()
                 torch.cuda.empty_cache()
+    fm._flush_due = SHIPPED                              # the checks: the shipped kernel and knobs
+    fm.FLUSH_WARPS, fm.ALIGN_HINTS, fm.MAX_REGISTERS = SHIPPED_KNOBS
+    fm._WORKSPACES.clear()
     verdicts = []
     for gate in a.gate:
         for B in a.check:

@@ -8,7 +8,7 @@
    concatenated list: a balanced split (+-1 item) however unevenly the due programs are spread over the rows.
 
 One due item = one (slot, head) program, processed top-down as the algorithm (SPEC section 2), all in fp32 registers:
-rebuild the state S [V, K] (the window's keys staged through a small per-program scratch), one subspace iteration from
+rebuild the state S [V, K] (the window as one fp32 FMA matrix product), one subspace iteration from
 q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q; orth = CholeskyQR2 with floored pivots, each of P, Q, U one batched
 reduction), fp16 tokens, residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window
 reset.
@@ -208,10 +208,9 @@ def _store_token(tok, r, U_r, Q_r, rk, rv):
 
 
 @triton.jit
-def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
+def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
                slot, head, H, SS, IS_KDA: tl.constexpr, ALIGN: tl.constexpr):
-    """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]; scratch: this persistent
-    program's L x K fp32 staging rows."""
+    """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]."""
     rv = tl.arange(0, _V)
     rk = tl.arange(0, _K)
     # first fp32 word of the (slot, head) region, and the row of the dense window tensors. The alignment hints
@@ -237,8 +236,8 @@ def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     tok = raw_f16 + region * 2 + _TOK_HALF
 
     # ---- (1) rebuild: S = (q^T u + codes * s_k / 127 * s_v) * gate + sum_j w_j ubuf_j (outer) (kbuf_j * D_j) ----
-    # (broadcast FMAs keep S in a blocked layout whose column sums stay inside each thread; a tl.dot here moved S
-    #  to the MMA layout and made every later reduction dearer: measured 17 % slower, bench/notes/triton.md.
+    # (everything here keeps S in a blocked layout whose column sums stay inside each thread: a tensor-core tl.dot
+    #  moved S to the MMA layout and made every later reduction dearer, 17 % slower, bench/notes/triton.md.
     #  The gate is folded into the column factors (KDA) or the row factors (GDN): one multiply per element less.)
     codes = tl.load(codes_p)
     s_k = tl.load(sk_p)
@@ -257,20 +256,17 @@ def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
         q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32)
         S += q_old[:, None] * u_old[None, :]
     # the window's effective keys kbuf[j] * w[j] * D_j as one [L, K] tile (8 elements per thread, none replicated; D_j
-    # an exclusive reverse product scan of gbuf), staged through this program's scratch rows: built in the 1-D key
-    # layout of S's columns every thread would compute all 16 x 16 of its keys, 32 copies of the same work.
-    # The barrier before the stores keeps the previous item's readers ahead (its later reductions already are); the
-    # one after publishes the rows to every warp (bar.sync orders global memory within the block).
+    # an exclusive reverse product scan of gbuf), then S += ubuf^T keys as one fp32 dot. input_precision="ieee" keeps
+    # it off the tensor cores: Triton lowers it to FMAs with operands through shared memory and S in a blocked layout
+    # (4 x 4 per thread), the same fp32 products and sums as 16 rank-1 updates, without their 32 global loads per
+    # thread (the rank-1 loop's vectors were loaded per entry: 14 % slower, bench/notes/triton.md)
     rl = tl.arange(0, _L)
     keys = tl.load(kb + rl[:, None] * _K + rk[None, :]).to(tl.float32) * tl.load(wp + rl)[:, None]
     if IS_KDA:
         g_next = tl.load(gb + (rl[:, None] + 1) * _K + rk[None, :], mask=rl[:, None] + 1 < _L, other=1.0)
         keys = keys * tl.cumprod(g_next.to(tl.float32), 0, reverse=True)      # D_j = prod_{i > j} gbuf[i]
-    tl.debug_barrier()
-    tl.store(scratch + rl[:, None] * _K + rk[None, :], keys)
-    tl.debug_barrier()
-    for j in tl.static_range(_L):
-        S += tl.load(ub + j * _V + rv).to(tl.float32)[:, None] * tl.load(scratch + j * _K + rk)[None, :]
+    ubT = tl.load(ub + rl[None, :] * _V + rv[:, None]).to(tl.float32)          # [V, L]
+    S = tl.dot(ubT, keys, S, input_precision="ieee")
 
     # ---- (2) one subspace iteration from q0: P = orth(S^T q0) [K, R], Q = orth(S P) [V, R], U = S^T Q [K, R] ----
     # (q0's columns are re-read per item from L1/L2: held across the item loop they cost 4 row vectors of registers)
@@ -330,19 +326,16 @@ def _due_item(due_ptr, ends, starts, ch, t, total, CHUNK: tl.constexpr):
 
 # ---- launch 2: flush the due programs --------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_chunks", "H", "SS"], do_not_specialize_on_alignment=["q0_ptr"])
-def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch_ptr,
-               due_ptr, count_ptr,
+def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, due_ptr, count_ptr,
                num_chunks, H, SS, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
                MAX_CHUNKS: tl.constexpr, ALIGN: tl.constexpr):
     """Persistent program ``pid`` of ``G``: flushes due items pid, pid + G, ... of the list written by _mark_due.
 
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
     for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], the due list int32
-    [MAX_CHUNKS * CHUNK] and its counts int32 [MAX_CHUNKS] (the first num_chunks are this call's); scratch fp32
-    [G, L, K]: rows of program pid are its own (the window's effective keys, staged per item)."""
+    [MAX_CHUNKS * CHUNK] and its counts int32 [MAX_CHUNKS] (the first num_chunks are this call's)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    scratch = scratch_ptr + pid * (_L * _K)
     ch = tl.arange(0, MAX_CHUNKS)
     n_c = tl.load(count_ptr + ch, mask=ch < num_chunks, other=0)
     ends = tl.cumsum(n_c, 0)                       # items in chunks 0..c
@@ -353,7 +346,7 @@ def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     while t < total:                               # (a while loop: the interpreter cannot range over tensors)
         t_next = t + G
         code_next = _due_item(due_ptr, ends, starts, ch, t_next, total, CHUNK)   # in flight during this item
-        _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, scratch,
+        _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
                    code // H, code % H, H, SS, IS_KDA, ALIGN)
         code = code_next
         t = t_next
@@ -379,7 +372,7 @@ INTERPRETER_PROGRAMS = 4
 
 @dataclass
 class _Workspace:
-    """Per-pool scratch, allocated once outside the call: the due list and its chunk counts, typed views of raw,
+    """Per-pool workspace, allocated once outside the call: the due list and its chunk counts, typed views of raw,
     and the persistent grid size."""
     rows: int                      # largest len(idx) served without growing
     max_chunks: int
@@ -388,7 +381,6 @@ class _Workspace:
     raw_u8: torch.Tensor
     raw_f16: torch.Tensor
     programs: int = 0              # persistent programs resident at once (0: not measured yet)
-    scratch: torch.Tensor | None = None   # fp32 [programs, L, K]: each persistent program's key rows (made with programs)
 
 
 _WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
@@ -420,10 +412,7 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tu
     kda = pool.gate == "kda"
     gate = pool.pcum if kda else pool.p
     gbuf = pool.gbuf if kda else pool.p          # GDN: a placeholder the kernel never reads
-    # before the grid size is known (compiling to read the registers) one program's rows stand in: same type and
-    # alignment, so the same compilation; no program is launched with them
-    scratch = ws.scratch if ws.scratch is not None else ws.due.new_zeros(L * K, dtype=torch.float32)
-    return (pool.raw, ws.raw_u8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, scratch, ws.due, ws.count,
+    return (pool.raw, ws.raw_u8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, ws.due, ws.count,
             chunks, pool.num_heads, slot_stride(pool.num_heads))
 
 
@@ -467,7 +456,6 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         if _capturing(pool):
             raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
         ws.programs = _resident_programs(pool, ws, q0)
-        ws.scratch = torch.empty(ws.programs * L * K, dtype=torch.float32, device=pool.device)
     chunks = math.ceil(N * H / CHUNK)
     _mark_due[(chunks,)](idx, pool.hcnt, ws.due, ws.count, N, pool.num_slots, H, CHUNK=CHUNK,
                          num_warps=MARK_WARPS)
