@@ -52,7 +52,7 @@ def launch(args) -> None:
 
 #: raw metrics printed by --summarize (name: what it says)
 SUMMARY_METRICS = {
-    "gpu__time_duration.sum": "kernel time (ns)",
+    "gpu__time_duration.sum": "kernel time",
     "sm__cycles_elapsed.avg": "SM cycles elapsed",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue slots busy (% of active cycles)",
     "smsp__inst_executed.sum": "warp instructions executed",
@@ -76,9 +76,10 @@ def summarize(report: str) -> None:
     for row in rows[2:]:
         rec = dict(zip(head, row))
         print(f"== kernel {rec.get('Kernel Name', '?')[:60]} ({rec.get('Grid Size', '')} x {rec.get('Block Size', '')})")
+        unit = dict(zip(head, units))
         for name, what in SUMMARY_METRICS.items():
             if name in rec:
-                print(f"  {what:45s} {rec[name]:>14s}  [{name}]")
+                print(f"  {what:45s} {rec[name]:>14s} {unit.get(name, ''):6s} [{name}]")
         # warp-state sampling: stall reasons, share of all samples
         stalls = {k: float(v.replace(",", "")) for k, v in rec.items()
                   if k.startswith("smsp__pcsamp_warps_issue_stalled_") and not k.endswith("_not_issued")
@@ -92,7 +93,6 @@ def summarize(report: str) -> None:
         busy = sorted(((float(v.replace(",", "")), k) for k, v in pipes.items() if v), reverse=True)[:8]
         print("  pipes (% of peak, active cycles): " + ", ".join(
             f"{k[len('sm__inst_executed_pipe_'):-len('.avg.pct_of_peak_sustained_active')]} {v:.1f}" for v, k in busy))
-    _ = units
 
 
 def main() -> int:

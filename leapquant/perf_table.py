@@ -11,8 +11,8 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_940cf7f_all-backends.md (one run, KDA and GDN): TileLang all due 34.8 / 117.2 / 421.4 /
-#: 819.9 us at batch 16 / 64 / 256 / 512 against Triton's 113.4 / 435.4 / 1665.4 / 3285.3 us, and faster at 1/16 due
+#: source: bench/results/h200_98953db_all-backends.md (one run, KDA and GDN): TileLang all due 32.9 / 112.4 / 408.9 /
+#: 790.1 us at batch 16 / 64 / 256 / 512 against Triton's 97.5 / 369.2 / 1419.7 / 2808.2 us, and faster at 1/16 due
 #: and none due at every batch too: it is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
