@@ -204,6 +204,7 @@ P_ROWS = K + K // TILE                  # P's shared rows with that padding
 #: write consecutive planes: 8 floats of padding put them 8 banks apart, beside the 8 rows of a quad)
 COL_PLANE = K + VEC4
 ROW_PLANE = V + TILE
+assert TILES_PER_SIDE * max(COL_PLANE, ROW_PLANE) <= TILES_PER_SIDE * V * R   # the planes live in the products' buffer
 
 
 def shared_bytes(cfg: FlushConfig) -> int:
