@@ -186,13 +186,13 @@ def cmd_phases(args) -> int:
     return 0
 
 
-def load_kernel_module(path):
-    """A kernel generator module from a file (e.g. an older commit's leapquant/tilelang/kernel.py, written out with
-    ``git show REV:leapquant/tilelang/kernel.py > FILE``), imported inside the package so its relative imports work."""
+def load_kernel_module(path, package="leapquant.tilelang"):
+    """A kernel module from a file (e.g. an older commit's leapquant/tilelang/kernel.py, written out with
+    ``git show REV:leapquant/tilelang/kernel.py > FILE``), imported inside ``package`` so its relative imports work."""
     import importlib.util
 
-    importlib.import_module("leapquant.tilelang")     # the parent package of the loaded module
-    name = "leapquant.tilelang._ab_" + os.path.basename(path).replace(".", "_").replace("-", "_")
+    importlib.import_module(package)                  # the parent package of the loaded module
+    name = f"{package}._ab_" + os.path.basename(path).replace(".", "_").replace("-", "_")
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

@@ -35,15 +35,11 @@ SHIPPED_KNOBS = (fm.FLUSH_WARPS, fm.ALIGN_HINTS, fm.MAX_REGISTERS)
 
 def kernel_from_file(path: str):
     """``_flush_due`` of another version of leapquant/triton/flush.py (e.g. ``git show REV:leapquant/triton/flush.py
-    > FILE``), imported inside the package so its relative imports work; it must take the shipped launcher's
-    arguments (A/B of kernel versions in one run, through the same launcher and timing)."""
-    import importlib.util
-    name = "leapquant.triton._ab_" + os.path.basename(path).replace(".", "_").replace("-", "_")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod._flush_due
+    > FILE``); it must take the shipped launcher's arguments (A/B of kernel versions in one run, through the same
+    launcher and timing)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tilelang_dev import load_kernel_module
+    return load_kernel_module(path, "leapquant.triton")._flush_due
 
 SETS = 8                  #: disjoint slot sets flushed in rotation (L2-cold)
 SLEEP_CYCLES = 20_000_000  #: ~10 ms at 2 GHz: the queue fills behind it
