@@ -26,12 +26,9 @@ def launch(args) -> None:
     from bench.tilelang_dev import _timing_pool
     from leapquant import flush_inplace
     from leapquant.reference import default_q0
-    cfg, nsets, call = _timing_pool(args.batch, args.gate, args.due)
-    pool = call.pool
-    dev = pool.raw.device
-    q0 = default_q0(dev)
-    sets = [torch.arange(1 + s * args.batch, 1 + (s + 1) * args.batch, dtype=torch.int32, device=dev)
-            for s in range(nsets)]
+    cfg, _, call = _timing_pool(args.batch, args.gate, args.due)
+    pool, sets = call.pool, call.sets
+    q0 = default_q0(pool.raw.device)
     if args.backend == "tilelang":
         from leapquant.tilelang.kernel import compile_flush
         kern = compile_flush(cfg)
@@ -73,10 +70,10 @@ def _ncu_csv(report: str, *extra: str) -> list[list[str]]:
 def summarize(report: str) -> None:
     rows = _ncu_csv(report, "--page", "raw")
     head, units = rows[0], rows[1]
+    unit = dict(zip(head, units))
     for row in rows[2:]:
         rec = dict(zip(head, row))
         print(f"== kernel {rec.get('Kernel Name', '?')[:60]} ({rec.get('Grid Size', '')} x {rec.get('Block Size', '')})")
-        unit = dict(zip(head, units))
         for name, what in SUMMARY_METRICS.items():
             if name in rec:
                 print(f"  {what:45s} {rec[name]:>14s} {unit.get(name, ''):6s} [{name}]")

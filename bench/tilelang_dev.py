@@ -153,6 +153,7 @@ def _timing_pool(batch, gate, due):
         kern(pool.raw.view(torch.int32), pool.raw, pool.raw.view(torch.float16), pool.kbuf, pool.ubuf, pool.w,
              pcum, gbuf, p, pool.hcnt, q0, sets[s])
     call.pool = pool                        # for tools that read the pool back (bench/tilelang_clock.py)
+    call.sets = sets                        # the slot sets' idx (bench/ncu_profile.py calls other backends on them)
     return config_for(pool), nsets, call
 
 

@@ -41,6 +41,7 @@ def kernel_from_file(path: str):
     from tilelang_dev import load_kernel_module
     return load_kernel_module(path, "leapquant.triton")._flush_due
 
+
 SETS = 8                  #: disjoint slot sets flushed in rotation (L2-cold)
 SLEEP_CYCLES = 20_000_000  #: ~10 ms at 2 GHz: the queue fills behind it
 
