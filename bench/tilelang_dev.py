@@ -28,7 +28,7 @@ PROFILE_VARIANTS = {
     # variant - full. ranking_only keeps the due-program ranking and nothing else (nothing is written).
     "full": ((), ()),
     "x2_rebuild": (("rebuild_state",), ()),
-    "x2_products": (("store_limbs", "project_columns", "project_rows"), ()),
+    "x2_products": (("project_columns", "project_rows", "sum_partials"), ()),
     "x2_orthonormalise": (("orthonormalise",), ()),
     "x2_tokens": (("emit_tokens",), ()),
     "x2_row_scales": (("row_scales",), ()),
@@ -38,7 +38,7 @@ PROFILE_VARIANTS = {
     "x2_column_scales": (("column_scales",), ()),
     # the staging left out: the flush computes on whatever the shared memory holds (its cost: full - no_stage)
     "no_stage": ((), ("stage_program",)),
-    "ranking_only": ((), ("stage_program", "rebuild_state", "store_limbs", "project_columns", "project_rows",
+    "ranking_only": ((), ("stage_program", "rebuild_state", "project_columns", "project_rows", "sum_partials",
                           "orthonormalise", "emit_tokens", "residual", "column_scales", "row_scales",
                           "store_codes")),
 }

@@ -60,7 +60,7 @@ def test_clock_profiling_build_traces(tmp_path):
         sys.path.remove(bench_dir)
     out = tmp_path / "prof_kernel.py"
     names = tilelang_clock.build(tl_kernel.__file__, str(out))
-    assert [n.split("_", 1)[1] for n in names[:3]] == ["stage_program", "rebuild_state", "store_limbs"]
+    assert [n.split("_", 1)[1] for n in names[:3]] == ["stage_program", "rebuild_state", "project_columns"]
     assert names[-1].endswith("store_codes")
     mod = tilelang_dev.load_kernel_module(str(out))
     script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()

@@ -39,10 +39,9 @@ F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint
 
 #: threads of one consumer group: 8 warps, each thread owning 8 rows x 8 columns of the 128 x 128 state
 GROUP_THREADS = 256
-GROUP_WARPS = GROUP_THREADS // 32
 TILE = 8
 TILE_BITS = 3                           # log2(TILE)
-TILES_PER_SIDE = V // TILE              # 16: partial sums per output of a scale reduction (reduction planes)
+TILES_PER_SIDE = V // TILE              # 16: partial sums per output of a product (reduction planes)
 #: The state lives in the accumulator layout of the tensor cores' mma.m16n8 (fp32 C fragments), so that the rank
 #: updates (old tokens, window, new tokens) run as mma.sync. A group's 8 warps form 2 row bands x 4 column bands;
 #: a warp's 64 x 32 block is 4 x 4 mma tiles of 16 x 8. Lane = 4 * grp + quad: the thread holds rows
@@ -63,22 +62,6 @@ N_TILES = TILE // 2                     # 4 mma n-tiles per thread column octet 
 KEY_PARTS = 3
 PAIRS = L // 2                          # bf16/fp16 pairs along the window (k of the mma): one 32-bit word each
 TOKEN_PAIRS = 4                         # rank-4 tokens as the k = 8 operand of mma.m16n8k8: pairs 2, 3 stay zero
-#: The three products (S^T q0, S P, S^T Q) run on the tensor cores (mma.m16n8k16, bf16 operands, fp32 sums) from
-#: shared-memory copies of S that ldmatrix reads in either orientation (.trans gives S^T's fragments). S is split
-#: into bf16 hi + lo (each rounded to nearest: ~2^-17 relative per element, errors that average out in the sums);
-#: the vector x (q0, P or Q) into hi + mid + lo (its full fp32 mantissa: an error of x is common to every term of
-#: a sum and does not average out). A CPU emulation of exactly these operands inside the reference's compress
-#: (bench/emulate_products.py) passes the criterion on every family with the margin of exact products.
-STATE_LIMBS = 2
-X_LIMBS = 3
-MMA_K = 16                              # k of mma.m16n8k16
-K_STEPS = V // MMA_K                    # 8: k-steps of a product over the full 128
-X_ROWS = MMA_M                          # rows of the x operand: limb * R + column (12 used, 4 zero: the mma's m16)
-X_PITCH = V + TILE                      # bf16 per x row: one 16-byte chunk of padding staggers ldmatrix's 8 rows
-CHUNK = 8                               # bf16 per 16-byte chunk: one ldmatrix row
-CHUNKS = K // CHUNK                     # 16 chunks per state row (XOR-swizzled by the row's low 3 bits)
-SLICE = 16                              # outputs of a product per warp (one m16 tile, or two n8 tiles)
-LDSM_ROWS = 8                           # rows of one 8 x 8 ldmatrix matrix; lanes 8 j + r address matrix j, row r
 #: consumer groups per CTA: 2 x 256 threads = 512, so __launch_bounds__(512) caps registers at 128 per thread and
 #: exactly one CTA fits an SM (the grid is one CTA per SM: the persistent design needs every CTA resident)
 GROUPS = 2
@@ -174,26 +157,6 @@ __device__ __forceinline__ void lq_mma_bf16(float* c0, float* c1, float* c2, flo
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(*c0), "+f"(*c1), "+f"(*c2), "+f"(*c3) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// x = hi + lo + O(2^-17 x) for two values: hi = bf16(x) and lo = bf16(x - hi), both rounded to nearest, packed
-// in pairs (bit patterns returned in float registers: the shared copy of the state is a float array)
-__device__ __forceinline__ void lq_split_bf16x2(float a, float b, float* hi, float* lo) {
-  unsigned h; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(b), "f"(a));
-  float ra = a - __uint_as_float(h << 16), rb = b - __uint_as_float(h & 0xffff0000u);
-  unsigned l; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(l) : "f"(rb), "f"(ra));
-  *hi = __uint_as_float(h); *lo = __uint_as_float(l);
-}
-// four 8 x 8 b16 matrices from shared memory (lane 8 j + r gives the address of row r of matrix j); .trans hands
-// each thread the transposed pairs. volatile + memory: never moved across the group barriers
-__device__ __forceinline__ void lq_ldsm_x4(unsigned* d, const void* p) {
-  unsigned s = (unsigned)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(s) : "memory");
-}
-__device__ __forceinline__ void lq_ldsm_x4_t(unsigned* d, const void* p) {
-  unsigned s = (unsigned)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(s) : "memory");
-}
 __device__ __forceinline__ void lq_mma_f16_k8(float* c0, float* c1, float* c2, float* c3, unsigned a0, unsigned a1,
                                               unsigned b0) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
@@ -227,14 +190,21 @@ class FlushConfig:
         return {"kind": "cuda", "arch": self.arch}
 
 
+def p_row(k):
+    """Row of P's k-th row in its shared array: one 16-byte chunk of padding after every 8 rows, so that the four quads
+    of a quarter-warp in S P (rows 8 quad + j, 128 bytes apart: one bank quad without the padding) read four
+    different bank quads."""
+    return k + (k >> TILE_BITS)
+
+
+P_ROWS = K + K // TILE                  # P's shared rows with that padding
 #: stride (floats) of the scales' partial planes: padded so that the writers of one wavefront hit different banks
 #: (column sums: 16-byte stores, a quarter-warp = lane rows 2m, 2m + 1 of consecutive planes x four quads 32 bytes
 #: apart: one 16-byte chunk of padding per plane staggers the two planes; row maxima: 4-byte stores, the four quads
 #: write consecutive planes: 8 floats of padding put them 8 banks apart, beside the 8 rows of a quad)
 COL_PLANE = K + VEC4
 ROW_PLANE = V + TILE
-#: the planes live in the shared copy of the state, free once the last product has read it
-assert TILES_PER_SIDE * max(COL_PLANE, ROW_PLANE) <= STATE_LIMBS * V * K // 2
+assert TILES_PER_SIDE * max(COL_PLANE, ROW_PLANE) <= TILES_PER_SIDE * V * R   # the planes live in the products' buffer
 
 
 def shared_bytes(cfg: FlushConfig) -> int:
@@ -242,13 +212,12 @@ def shared_bytes(cfg: FlushConfig) -> int:
     per_group = 4 * (KEY_PARTS * PAIRS * K   # window keys, bf16 parts, packed in pairs
                      + PAIRS * V                # window values, bf16 pairs
                      + 2 * TOKEN_PAIRS * V      # tokens (old, then new), fp16 pairs
-                     + STATE_LIMBS * V * K // 2  # the state's bf16 limbs (then the scales' partial planes)
-                     + 2 * V * R                # a product's result, Q
-                     + 5 * V                    # old s_k, old s_v, gate, new 1 / s_k, 127 / s_v
+                     + TILES_PER_SIDE * R * V   # reduction partials
+                     + (P_ROWS + V) * R         # P (padded rows) and Q
+                     + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
                      + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT)  # Gram partials of the orthonormalisation
-    x_operands = 2 * (GROUPS + 1) * X_ROWS * X_PITCH            # x's bf16 limbs: q0 (shared), P or Q per group
     scan = 4 * (cfg.rows_per_chunk + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
-    return GROUPS * per_group + x_operands + scan
+    return GROUPS * per_group + 4 * V * R + scan
 
 
 @dataclass
@@ -257,9 +226,9 @@ class Phases:
     find_due_programs: object = None
     stage_program: object = None
     rebuild_state: object = None
-    store_limbs: object = None
     project_columns: object = None
     project_rows: object = None
+    sum_partials: object = None
     orthonormalise: object = None
     emit_tokens: object = None
     residual: object = None
@@ -484,96 +453,50 @@ def flush_phases(cfg: FlushConfig) -> Phases:
 
     # ---- products -------------------------------------------------------------------------------------------------
     @T.macro
-    def store_limbs(S, limb_s, g, rbase, col0):
-        """The state's bf16 hi and lo limbs to shared memory, rows [V, K] in 16-byte chunks XOR-swizzled by the row's
-        low 3 bits, so that the 8 rows of an ldmatrix (either orientation) hit 8 different bank quads."""
-        hw = T.alloc_local((TILE // 2,), F32)
-        lw = T.alloc_local((TILE // 2,), F32)
+    def project_columns(S, x_s, xg, g, tr, rbase, col0, red_s):
+        """Partials of S^T x (x = x_s[xg]: V x R) over this thread's rows, to reduction plane ``tr``."""
+        acc = T.alloc_local((TILE * R,), F32)
+        xv = T.alloc_local((R,), F32)
+        for e in T.unroll(TILE * R):
+            acc[e] = 0.0
         for i in T.unroll(TILE):
-            row = rbase + ROW_STEP * i
-            for c in T.unroll(TILE // 2):
-                T.evaluate(T.call_extern("handle", "lq_split_bf16x2", S[i * TILE + 2 * c], S[i * TILE + 2 * c + 1],
-                                         T.address_of(hw[c]), T.address_of(lw[c])))
-            for c in T.vectorized(TILE // 2):
-                limb_s[g, 0, row, (col0 // CHUNK) ^ (row % LDSM_ROWS), c] = hw[c]
-            for c in T.vectorized(TILE // 2):
-                limb_s[g, 1, row, (col0 // CHUNK) ^ (row % LDSM_ROWS), c] = lw[c]
+            for r in T.vectorized(R):
+                xv[r] = x_s[xg, rbase + ROW_STEP * i, r]
+            for j in T.unroll(TILE):
+                for r in T.unroll(R):
+                    acc[j * R + r] = acc[j * R + r] + S[i * TILE + j] * xv[r]
+        for j in T.unroll(TILE):
+            for r in T.vectorized(R):
+                red_s[g, swizzled(tr, col0 + j), r] = acc[j * R + r]
 
     @T.macro
-    def mma_acc(acc, n, a, a0, b, b0):
-        """acc[4 n : 4 n + 4] += A B (mma.m16n8k16 bf16: A = a[a0 : a0 + 4], B = b[b0 : b0 + 2])."""
-        T.evaluate(T.call_extern("handle", "lq_mma_bf16", T.address_of(acc[4 * n]), T.address_of(acc[4 * n + 1]),
-                                 T.address_of(acc[4 * n + 2]), T.address_of(acc[4 * n + 3]), a[a0], a[a0 + 1],
-                                 a[a0 + 2], a[a0 + 3], b[b0], b[b0 + 1]))
-
-    @T.macro
-    def project_columns(limb_s, xl_s, xg, g, wg, lane, out_s):
-        """out_s[g] = S^T x (K x R, x = the limbs in xl_s[xg]); warp wg computes columns SLICE wg + [0, SLICE) over
-        all rows: D = X^T S with m = (x limb, column), n = the state's column, k = its row; S's B fragments through
-        ldmatrix.trans. Limbs of x are summed through one shuffle, those of S in registers."""
-        acc = T.alloc_local((STATE_LIMBS * 2 * 4,), F32)       # [state limb][n-tile][C fragment]
-        a = T.alloc_local((4,), U32)
-        b = T.alloc_local((STATE_LIMBS * 4,), U32)
-        tot = T.alloc_local((1,), F32)
-        for e in T.unroll(STATE_LIMBS * 2 * 4):
+    def project_rows(S, x_s, g, tc, rbase, col0, red_s):
+        """Partials of S x (x = P: K x R, its rows at p_row) over this tile's columns, to reduction plane ``tc``."""
+        acc = T.alloc_local((TILE * R,), F32)
+        xv = T.alloc_local((R,), F32)
+        for e in T.unroll(TILE * R):
             acc[e] = 0.0
-        mj = lane // LDSM_ROWS
-        mr = lane % LDSM_ROWS
-        for ks in T.unroll(K_STEPS):
-            v0 = MMA_K * ks
-            T.evaluate(T.call_extern("handle", "lq_ldsm_x4", T.address_of(a[0]),
-                                     T.address_of(xl_s[xg, (mj % 2) * LDSM_ROWS + mr, v0 + (mj // 2) * LDSM_ROWS])))
-            vrow = v0 + (mj % 2) * LDSM_ROWS + mr
-            for lb in T.unroll(STATE_LIMBS):
-                T.evaluate(T.call_extern("handle", "lq_ldsm_x4_t", T.address_of(b[4 * lb]), T.address_of(
-                    limb_s[g, lb, vrow, (2 * wg + mj // 2) ^ (vrow % LDSM_ROWS), 0])))
-            for lb in T.unroll(STATE_LIMBS):
-                for nt in T.unroll(2):
-                    mma_acc(acc, 2 * lb + nt, a, 0, b, 4 * lb + 2 * nt)
-        # row m = g of D: limb g // 4 of column g % 4; row g + 8: limb 2 (g < 4) or the zero padding
-        grp = lane // QUADS
-        quad = lane % QUADS
-        for nt in T.unroll(2):
-            for e in T.unroll(2):
-                lo = acc[4 * nt + e] + acc[4 * (2 + nt) + e]               # state limbs hi + lo, x limb of row g
-                hi = acc[4 * nt + 2 + e] + acc[4 * (2 + nt) + 2 + e]       # the same, row g + 8
-                tot[0] = lo + hi + T.shfl_xor(lo, WARP // 2)               # + x limb 1 (lane + 16: row g + 4)
-                if lane < WARP // 2:
-                    out_s[g, SLICE * wg + MMA_N * nt + 2 * quad + e, grp] = tot[0]
+        for j in T.unroll(TILE):
+            for r in T.vectorized(R):
+                xv[r] = x_s[g, p_row(col0 + j), r]
+            for i in T.unroll(TILE):
+                for r in T.unroll(R):
+                    acc[i * R + r] = acc[i * R + r] + S[i * TILE + j] * xv[r]
+        for i in T.unroll(TILE):
+            for r in T.vectorized(R):
+                red_s[g, swizzled(tc, rbase + ROW_STEP * i), r] = acc[i * R + r]
 
     @T.macro
-    def project_rows(limb_s, xl_s, g, wg, lane, out_s):
-        """out_s[g] = S x (V x R, x = P's limbs in xl_s[g]); warp wg computes rows SLICE wg + [0, SLICE): D = S X
-        with m = the state's row, n = (x limb, column) in two n-tiles, k = the state's column."""
-        acc = T.alloc_local((STATE_LIMBS * 2 * 4,), F32)       # [state limb][n-tile][C fragment]
-        a = T.alloc_local((STATE_LIMBS * 4,), U32)
-        b = T.alloc_local((4,), U32)
-        tot = T.alloc_local((4,), F32)
-        for e in T.unroll(STATE_LIMBS * 2 * 4):
-            acc[e] = 0.0
-        mj = lane // LDSM_ROWS
-        mr = lane % LDSM_ROWS
-        for ks in T.unroll(K_STEPS):
-            k0 = MMA_K * ks
-            T.evaluate(T.call_extern("handle", "lq_ldsm_x4", T.address_of(b[0]),
-                                     T.address_of(xl_s[g, (mj // 2) * LDSM_ROWS + mr, k0 + (mj % 2) * LDSM_ROWS])))
-            vrow = SLICE * wg + (mj % 2) * LDSM_ROWS + mr
-            for lb in T.unroll(STATE_LIMBS):
-                T.evaluate(T.call_extern("handle", "lq_ldsm_x4", T.address_of(a[4 * lb]), T.address_of(
-                    limb_s[g, lb, vrow, (k0 // CHUNK + mj // 2) ^ (vrow % LDSM_ROWS), 0])))
-            for lb in T.unroll(STATE_LIMBS):
-                for nt in T.unroll(2):
-                    mma_acc(acc, 2 * lb + nt, a, 4 * lb, b, 2 * nt)
-        # n-tile 0, column 2 quad + e: limb 0 (quad < 2) or limb 1 (quad >= 2); n-tile 1: limb 2 or the zero padding
-        grp = lane // QUADS
-        quad = lane % QUADS
-        for e in T.unroll(4):
-            tot[e] = acc[e] + acc[8 + e] + (acc[4 + e] + acc[12 + e])
-            tot[e] = tot[e] + T.shfl_xor(acc[e] + acc[8 + e], 2)        # x limb 1 from quad + 2
-        if quad < 2:
-            for h in T.unroll(2):
-                for e in T.vectorized(2):
-                    out_s[g, SLICE * wg + grp + ROW_STEP * h, 2 * quad + e] = tot[2 * h + e]
+    def sum_partials(red_s, g, o, out4):
+        """out4 = sum over the 16 reduction planes of output row ``o``."""
+        part = T.alloc_local((R,), F32)
+        for r in T.unroll(R):
+            out4[r] = 0.0
+        for pl in T.unroll(TILES_PER_SIDE):       # unrolled: the 16 loads are in flight together
+            for r in T.vectorized(R):
+                part[r] = red_s[g, swizzled(pl, o), r]
+            for r in T.unroll(R):
+                out4[r] = out4[r] + part[r]
 
     def tri(j, i):
         """Index of entry (j, i), i <= j, of a packed lower-triangular 4 x 4 matrix."""
@@ -635,14 +558,13 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                     x4[j] = x4[j] * lf[tri(j, j)]
 
     @T.macro
-    def emit_tokens(rawh, base, t, g, out_s, qv_s, tokw_s):
-        """u = fp16(clamp(U^T)) (U's row t from the product) and q = fp16(Q^T) to the pool; the same fp16
+    def emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s):
+        """u = fp16(clamp(U^T)) (U summed here from its partials) and q = fp16(Q^T) to the pool; the same fp16
         values, q negated (exactly), to shared memory as the operands of the residual's rank-4 update."""
         tok = T.alloc_local((R,), F32)
         if t < K:
             U4 = T.alloc_local((R,), F32)
-            for r in T.vectorized(R):
-                U4[r] = out_s[g, t, r]
+            sum_partials(red_s, g, t, U4)
             for r in T.unroll(R):
                 uh = T.cast(T.min(T.max(U4[r], -FP16_MAX), FP16_MAX), F16)
                 rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t] = uh
@@ -727,7 +649,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
     return Phases(find_due_programs=find_due_programs, stage_program=stage_program, rebuild_state=rebuild_state,
-                  store_limbs=store_limbs, project_columns=project_columns, project_rows=project_rows,
+                  project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
                   orthonormalise=orthonormalise, emit_tokens=emit_tokens, residual=residual,
                   column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
 
@@ -748,33 +670,16 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
     n_p = (1, 1) if KDA else (NS, H)
 
     @T.macro
-    def store_x(xl_s, xg, row, x4):
-        """x's row ``row`` (4 columns) as column ``row`` of the x operand, row limb * R + r: the exact split
-        x = hi + mid + lo into bf16 values, each rounded to nearest."""
-        rem = T.alloc_local((1,), F32)
-        for r in T.unroll(R):
-            hi = T.cast(x4[r], BF16)
-            xl_s[xg, r, row] = hi
-            rem[0] = x4[r] - T.cast(hi, F32)
-            mid = T.cast(rem[0], BF16)
-            xl_s[xg, R + r, row] = mid
-            xl_s[xg, 2 * R + r, row] = T.cast(rem[0] - T.cast(mid, F32), BF16)
-
-    @T.macro
-    def orthonormal_basis(out_s, gram_s, xl_s, keep_s, x4, g, t, lane, bar, passes):
-        """After a product's result is in ``out_s``: row t of it (thread t < 128) orthonormalised in place, as the
-        next product's operand to ``xl_s[g]`` and, when ``keep_s`` is given, in fp32 to it; the group is
-        synchronised before and after."""
+    def orthonormal_basis(red_s, gram_s, out_s, out_row, x4, g, t, lane, bar, passes):
+        """After a product's partials are in ``red_s``: their sums (row t of the 128 x R result in thread t < 128),
+        orthonormalised in place, to row ``out_row`` of ``out_s[g]``; the group is synchronised before and after."""
         T.sync_threads(bar, GROUP_THREADS)
         if t < V:                               # K == V: the row count of either product
-            for r in T.vectorized(R):
-                x4[r] = out_s[g, t, r]
+            ph.sum_partials(red_s, g, t, x4)
         ph.orthonormalise(x4, gram_s, g, t, lane, bar, passes)
         if t < V:
-            store_x(xl_s, g, t, x4)
-            if keep_s is not None:
-                for r in T.vectorized(R):
-                    keep_s[g, t, r] = x4[r]
+            for r in T.vectorized(R):
+                out_s[g, out_row, r] = x4[r]
         T.sync_threads(bar, GROUP_THREADS)
 
     @T.prim_func
@@ -789,14 +694,14 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             mask_s = T.alloc_shared((CTA_THREADS,), U32)
             wsum_s = T.alloc_shared((CTA_WARPS,), I32)
             dlist = T.alloc_shared((LIST_CAP,), I32)
-            xl_s = T.alloc_shared((GROUPS + 1, X_ROWS, X_PITCH), BF16)   # x's limbs: per group, then q0's
+            q0_s = T.alloc_shared((1, V, R), F32)
             # per consumer group
             kw_s = T.alloc_shared((GROUPS, KEY_PARTS, PAIRS, K), U32)
             ubw_s = T.alloc_shared((GROUPS, PAIRS, V), U32)
             tokw_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)    # [u side (columns), q side (rows)]
-            limb_s = T.alloc_shared((GROUPS, STATE_LIMBS, V, CHUNKS, CHUNK // 2), F32)     # bf16 pairs
-            flat_s = T.view(limb_s, (GROUPS, STATE_LIMBS * V * K // 2), F32)
-            out_s = T.alloc_shared((GROUPS, V, R), F32)
+            red_s = T.alloc_shared((GROUPS, TILES_PER_SIDE * V, R), F32)
+            flat_s = T.view(red_s, (GROUPS, TILES_PER_SIDE * V * R), F32)
+            pv_s = T.alloc_shared((GROUPS, P_ROWS, R), F32)
             qv_s = T.alloc_shared((GROUPS, V, R), F32)
             sko_s = T.alloc_shared((GROUPS, K), F32)
             svo_s = T.alloc_shared((GROUPS, V), F32)
@@ -827,15 +732,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             tc = wc * QUADS + quad                  # reduction plane of its row partials (one per column octet)
             bar = FIRST_GROUP_BARRIER + g
 
-            wg = t // WARP                          # the warp's slice of a product's outputs
-            if tx < V:                              # q0's limbs, shared by the groups; the x rows past 3 R are zero
-                for r in T.vectorized(R):
-                    x4[r] = q0[tx, r]
-                store_x(xl_s, GROUPS, tx, x4)
-            if tx < X_PITCH:
-                for xg in T.unroll(GROUPS + 1):
-                    for m in T.unroll(X_LIMBS * R, X_ROWS):
-                        xl_s[xg, m, tx] = T.cast(0.0, BF16)
+            q0_s[0, tx // R, tx % R] = q0[tx // R, tx % R]
             if t < V:                               # the token pairs past rank 4 are the mma's zero padding
                 for side in T.unroll(2):
                     for pr in T.unroll(R // 2, TOKEN_PAIRS):
@@ -857,18 +754,16 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                                          col0, cw, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar)
                         ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s,
                                          sko_s, svo_s, gate_s)
-                        ph.store_limbs(S, limb_s, g, rbase, col0)
-                        T.sync_threads(bar, GROUP_THREADS)
                         # P = orth(S^T q0)
-                        ph.project_columns(limb_s, xl_s, GROUPS, g, wg, lane, out_s)
-                        orthonormal_basis(out_s, gram_s, xl_s, None, x4, g, t, lane, bar, P_CHOLQR_PASSES)
+                        ph.project_columns(S, q0_s, 0, g, tr, rbase, col0, red_s)
+                        orthonormal_basis(red_s, gram_s, pv_s, p_row(t), x4, g, t, lane, bar, P_CHOLQR_PASSES)
                         # Q = orth(S P)
-                        ph.project_rows(limb_s, xl_s, g, wg, lane, out_s)
-                        orthonormal_basis(out_s, gram_s, xl_s, qv_s, x4, g, t, lane, bar, CHOLQR_PASSES)
+                        ph.project_rows(S, pv_s, g, tc, rbase, col0, red_s)
+                        orthonormal_basis(red_s, gram_s, qv_s, t, x4, g, t, lane, bar, CHOLQR_PASSES)
                         # U = S^T Q, the fp16 tokens
-                        ph.project_columns(limb_s, xl_s, g, g, wg, lane, out_s)
+                        ph.project_columns(S, qv_s, g, g, tr, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.emit_tokens(rawh, base, t, g, out_s, qv_s, tokw_s)
+                        ph.emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         ph.residual(S, tokw_s, g, grp, quad, band_r, band_c)
                         ph.column_scales(S, rawf, base, t, g, tr, col0, flat_s, skn_s, bar)
