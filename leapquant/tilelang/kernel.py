@@ -12,8 +12,10 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
                         on the CUDA cores, both rank updates on the tensor cores (mma.sync with exact operands:
                         fp16 tokens, bf16 window values x the keys' bf16 hi + mid + lo, fp32 accumulation); S is an
                         8 x 8 fp32 block per thread in the mma accumulator layout, in registers until the codes
-    project_columns     S^T x (K x R) for x = q0, then x = Q:    partials per thread, summed in shared memory
-    project_rows        S x  (V x R) for x = P
+    project_columns     S^T x (K x R) for x = q0, then x = Q:    partials per thread, reduce-scattered over the
+                        lanes that share its columns (shuffles), one shared-memory plane per row band
+    project_rows        S x  (V x R) for x = P: likewise over the lanes that share its rows, one plane per
+                        column band
     orthonormalise      CholeskyQR (two passes for Q, one for P) with a relative pivot floor: per pass one group-wide
                         reduction of the 4 x 4 Gram matrix, its Cholesky factor in every thread's registers, each
                         thread's row times L^-T
@@ -41,7 +43,7 @@ F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint
 GROUP_THREADS = 256
 TILE = 8
 TILE_BITS = 3                           # log2(TILE)
-TILES_PER_SIDE = V // TILE              # 16: partial sums per output of a product (reduction planes)
+TILES_PER_SIDE = V // TILE              # 16: partial sums per output of a scale (reduction planes)
 #: The state lives in the accumulator layout of the tensor cores' mma.m16n8 (fp32 C fragments), so that the rank
 #: updates (old tokens, window, new tokens) run as mma.sync. A group's 8 warps form 2 row bands x 4 column bands;
 #: a warp's 64 x 32 block is 4 x 4 mma tiles of 16 x 8. Lane = 4 * grp + quad: the thread holds rows
@@ -212,7 +214,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
     per_group = 4 * (KEY_PARTS * PAIRS * K   # window keys, bf16 parts, packed in pairs
                      + PAIRS * V                # window values, bf16 pairs
                      + 2 * TOKEN_PAIRS * V      # tokens (old, then new), fp16 pairs
-                     + TILES_PER_SIDE * R * V   # reduction partials
+                     + TILES_PER_SIDE * R * V   # reduction partials (products: 2 or 4 planes; scales: 16)
                      + (P_ROWS + V) * R         # P (padded rows) and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
                      + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT)  # Gram partials of the orthonormalisation
@@ -251,17 +253,6 @@ def flush_phases(cfg: FlushConfig) -> Phases:
     def region_word(slot, head):
         """First fp32 word of the (slot, head) region (int64: a large pool exceeds 2^31 halfwords)."""
         return T.cast(slot, I64) * SS + T.cast(head * REGION_WORDS + OFF, I64)
-
-    def swizzled(part, o):
-        """Index of the 4-float chunk of output row ``o`` in reduction plane ``part``: the chunk is XOR-permuted
-        within its group of 8 so that every quarter-warp (the 8 lanes a 16-byte access serves per wavefront) of the
-        per-tile writers and of the per-output readers hits 8 different bank quads. A quarter-warp of writers is
-        two lane rows (grp = 2m, 2m + 1) x four quads: the plane's bits 0 and 1 (grp's low bit, or the quad) go to
-        bits 2 and 1 of the chunk, clear of the bits the output index varies (the quad in bits 0-1 of o >> 3, or
-        grp in bit 0 of o)."""
-        low = TILE - 1                                  # the 8 chunks of one group, and the group's index bits
-        plane = ((part & 1) << 2) | (part & 2)
-        return part * V + (o & ~low) + ((o & low) ^ ((o >> TILE_BITS) & low) ^ plane)
 
     # ---- ranking of the due programs --------------------------------------------------------------------------------
     @T.macro
@@ -452,10 +443,30 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                                              a[4 * mt + 2], a[4 * mt + 3], bfr[0], bfr[1]))
 
     # ---- products -------------------------------------------------------------------------------------------------
+    def plane_row(pl, o, shift):
+        """Index of output row ``o`` in reduction plane ``pl``: row o's low 3 bits advanced by twice the 2-bit field
+        of o at ``shift`` (the quad of a column writer, o >> 3; of a row writer, o >> 4), so that the 8 lanes of a
+        quarter-warp of writers (grp = 2m, 2m + 1 x four quads) store to 8 different bank quads; 8 consecutive rows
+        (the readers) stay a permutation of one aligned group."""
+        low = TILE - 1
+        return pl * V + (o & ~low) + ((o + 2 * ((o >> shift) & (QUADS - 1))) & low)
+
     @T.macro
-    def project_columns(S, x_s, xg, g, tr, rbase, col0, red_s):
-        """Partials of S^T x (x = x_s[xg]: V x R) over this thread's rows, to reduction plane ``tr``."""
+    def scatter_sum(acc, red, lane, n, bit):
+        """Reduce-scatter step over lane bit ``bit``: red[k] = the lane's kept half (k < n / 2) plus the partner's."""
+        hi = ((lane >> bit) & 1) == 1
+        for k in T.unroll(n // 2):
+            keep = T.if_then_else(hi, acc[n // 2 + k], acc[k])
+            give = T.if_then_else(hi, acc[k], acc[n // 2 + k])
+            red[k] = keep + T.shfl_xor(give, 1 << bit)
+
+    @T.macro
+    def project_columns(S, x_s, xg, g, wr, lane, rbase, col0, red_s):
+        """S^T x (x = x_s[xg]: V x R) over the warp's 64 rows, to reduction plane ``wr`` (one per row band): the
+        thread's partials over its 8 rows, then a reduce-scatter over the 8 lanes of a column octet (lane bits 2-4),
+        after which lane grp holds column col0 + grp."""
         acc = T.alloc_local((TILE * R,), F32)
+        red = T.alloc_local((TILE * R // 2,), F32)
         xv = T.alloc_local((R,), F32)
         for e in T.unroll(TILE * R):
             acc[e] = 0.0
@@ -465,14 +476,19 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for j in T.unroll(TILE):
                 for r in T.unroll(R):
                     acc[j * R + r] = acc[j * R + r] + S[i * TILE + j] * xv[r]
-        for j in T.unroll(TILE):
-            for r in T.vectorized(R):
-                red_s[g, swizzled(tr, col0 + j), r] = acc[j * R + r]
+        scatter_sum(acc, red, lane, TILE * R, 4)
+        scatter_sum(red, red, lane, TILE * R // 2, 3)
+        scatter_sum(red, red, lane, TILE * R // 4, 2)
+        for r in T.vectorized(R):
+            red_s[g, plane_row(wr, col0 + lane // QUADS, TILE_BITS), r] = red[r]
 
     @T.macro
-    def project_rows(S, x_s, g, tc, rbase, col0, red_s):
-        """Partials of S x (x = P: K x R, its rows at p_row) over this tile's columns, to reduction plane ``tc``."""
+    def project_rows(S, x_s, g, wc, lane, rbase, col0, red_s):
+        """S x (x = P: K x R, its rows at p_row) over the warp's 32 columns, to reduction plane ``wc`` (one per column
+        band): the thread's partials over its 8 columns, then a reduce-scatter over the 4 quads (lane bits 0-1),
+        after which quad m holds rows rbase + 16 m + {0, 8}."""
         acc = T.alloc_local((TILE * R,), F32)
+        red = T.alloc_local((TILE * R // 2,), F32)
         xv = T.alloc_local((R,), F32)
         for e in T.unroll(TILE * R):
             acc[e] = 0.0
@@ -482,19 +498,22 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for i in T.unroll(TILE):
                 for r in T.unroll(R):
                     acc[i * R + r] = acc[i * R + r] + S[i * TILE + j] * xv[r]
-        for i in T.unroll(TILE):
+        scatter_sum(acc, red, lane, TILE * R, 1)
+        scatter_sum(red, red, lane, TILE * R // 2, 0)
+        for h in T.unroll(2):
             for r in T.vectorized(R):
-                red_s[g, swizzled(tc, rbase + ROW_STEP * i), r] = acc[i * R + r]
+                red_s[g, plane_row(wc, rbase + MMA_M * (lane % QUADS) + ROW_STEP * h, TILE_BITS + 1), r] = \
+                    red[h * R + r]
 
     @T.macro
-    def sum_partials(red_s, g, o, out4):
-        """out4 = sum over the 16 reduction planes of output row ``o``."""
+    def sum_partials(red_s, g, o, out4, planes, shift):
+        """out4 = sum over the ``planes`` reduction planes of output row ``o`` (``shift``: the writers' plane_row)."""
         part = T.alloc_local((R,), F32)
         for r in T.unroll(R):
             out4[r] = 0.0
-        for pl in T.unroll(TILES_PER_SIDE):       # unrolled: the 16 loads are in flight together
+        for pl in T.unroll(planes):
             for r in T.vectorized(R):
-                part[r] = red_s[g, swizzled(pl, o), r]
+                part[r] = red_s[g, plane_row(pl, o, shift), r]
             for r in T.unroll(R):
                 out4[r] = out4[r] + part[r]
 
@@ -564,7 +583,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         tok = T.alloc_local((R,), F32)
         if t < K:
             U4 = T.alloc_local((R,), F32)
-            sum_partials(red_s, g, t, U4)
+            sum_partials(red_s, g, t, U4, ROW_BANDS, TILE_BITS)
             for r in T.unroll(R):
                 uh = T.cast(T.min(T.max(U4[r], -FP16_MAX), FP16_MAX), F16)
                 rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t] = uh
@@ -670,12 +689,12 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
     n_p = (1, 1) if KDA else (NS, H)
 
     @T.macro
-    def orthonormal_basis(red_s, gram_s, out_s, out_row, x4, g, t, lane, bar, passes):
+    def orthonormal_basis(red_s, gram_s, out_s, out_row, x4, g, t, lane, bar, passes, planes, shift):
         """After a product's partials are in ``red_s``: their sums (row t of the 128 x R result in thread t < 128),
         orthonormalised in place, to row ``out_row`` of ``out_s[g]``; the group is synchronised before and after."""
         T.sync_threads(bar, GROUP_THREADS)
         if t < V:                               # K == V: the row count of either product
-            ph.sum_partials(red_s, g, t, x4)
+            ph.sum_partials(red_s, g, t, x4, planes, shift)
         ph.orthonormalise(x4, gram_s, g, t, lane, bar, passes)
         if t < V:
             for r in T.vectorized(R):
@@ -755,13 +774,15 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s,
                                          sko_s, svo_s, gate_s)
                         # P = orth(S^T q0)
-                        ph.project_columns(S, q0_s, 0, g, tr, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, pv_s, p_row(t), x4, g, t, lane, bar, P_CHOLQR_PASSES)
+                        ph.project_columns(S, q0_s, 0, g, wr, lane, rbase, col0, red_s)
+                        orthonormal_basis(red_s, gram_s, pv_s, p_row(t), x4, g, t, lane, bar, P_CHOLQR_PASSES,
+                                          ROW_BANDS, TILE_BITS)
                         # Q = orth(S P)
-                        ph.project_rows(S, pv_s, g, tc, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, qv_s, t, x4, g, t, lane, bar, CHOLQR_PASSES)
+                        ph.project_rows(S, pv_s, g, wc, lane, rbase, col0, red_s)
+                        orthonormal_basis(red_s, gram_s, qv_s, t, x4, g, t, lane, bar, CHOLQR_PASSES,
+                                          COL_BANDS, TILE_BITS + 1)
                         # U = S^T Q, the fp16 tokens
-                        ph.project_columns(S, qv_s, g, g, tr, rbase, col0, red_s)
+                        ph.project_columns(S, qv_s, g, g, wr, lane, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         ph.emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s)
                         T.sync_threads(bar, GROUP_THREADS)
