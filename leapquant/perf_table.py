@@ -11,8 +11,8 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_98953db_all-backends.md (one run, KDA and GDN): TileLang all due 32.9 / 112.4 / 408.9 /
-#: 790.1 us at batch 16 / 64 / 256 / 512 against Triton's 97.5 / 369.2 / 1419.7 / 2808.2 us, and faster at 1/16 due
+#: source: bench/results/h200_7128ccc_all-backends.md (one run, KDA and GDN): TileLang all due 32.4 / 108.2 / 398.7 /
+#: 773.2 us at batch 16 / 64 / 256 / 512 against Triton's 97.3 / 368.0 / 1419.4 / 2806.5 us, and faster at 1/16 due
 #: and none due at every batch too: it is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
