@@ -10,6 +10,16 @@ segment]); the shipped kernel keeps no counters. ``run`` compiles the build on f
 precompile it on the CPU with the same TILELANG_CACHE_DIR and carry the cache). A segment that ends at a group barrier
 measures the group's critical path; one that does not (rebuild, the products) measures warp 0's own progress.
 ``batch 4`` (128 programs on 132 CTAs) leaves one group alone on its SM: the uncontended latency of a program.
+The stamps change the kernel's code: two builds' totals can differ by 5-7 % where the shipped kernels do not (session
+5, bench/notes/tilelang.md), so compare kernels by A/B or with the CTA build, not by clock profiles.
+
+    python bench/tilelang_clock.py cta-build leapquant/tilelang/kernel.py OUT.py     # per-CTA timestamp build
+    python bench/tilelang_clock.py cta-run OUT.py 256:all 256:sixteenth
+
+``cta-build`` stamps (globaltimer, clock64, SM id) only outside the program loop: when each CTA starts, when each
+group leaves its program loop and when the CTA ends, into the pool's header words from :data:`CTA_WORD` on.
+``cta-run`` prints per call the span, the CTAs' start skew, their mean / max / min duration and the group loops'
+cycles, and the slowest and fastest CTAs (block, SM, us): how evenly the persistent grid ends.
 """
 from __future__ import annotations
 
@@ -62,6 +72,68 @@ def build(src: str, dst: str) -> list[str]:
     return names
 
 
+CTA_WORD = 2048                 #: first header word of the CTA stamps (3 int64 per stamp, 4 stamps per CTA)
+CTA_STAMP_WORDS = 6
+CTA_WORDS = 4 * CTA_STAMP_WORDS
+PRELUDE_CTA = ('__device__ __forceinline__ void lq_cta_stamp(int* p) {\n'
+               '  long long* d = (long long*)p; long long t; unsigned sm;\n'
+               '  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));\n'
+               '  d[0] = t; d[1] = clock64(); d[2] = sm;\n}\n')
+
+
+def _cta_stamp(word: str) -> str:
+    return f"T.evaluate(T.call_extern('handle', 'lq_cta_stamp', T.address_of(raw32[{CTA_WORD} + bid * {CTA_WORDS}{word}])))"
+
+
+def build_cta(src: str, dst: str) -> None:
+    """Write the per-CTA timestamp build of generator ``src`` to ``dst``: stamp 0 at the CTA's start, 1 + g when
+    group g leaves its program loop, 3 at the CTA's end (after the round's CTA-wide barrier)."""
+    s = open(src).read()
+    s = s.replace('PRELUDE = r"""\n', 'PRELUDE = r"""\n' + PRELUDE_CTA, 1)
+    start = "            bar = FIRST_GROUP_BARRIER + g\n"
+    assert start in s and LOOP_END in s
+    s = s.replace(start, start + "            if tx == 0:\n                " + _cta_stamp("") + "\n", 1)
+    pad = " " * (BODY_INDENT - 4)
+    end = (f"{pad}if t == 0:\n{pad}    {_cta_stamp(f' + {CTA_STAMP_WORDS} + {CTA_STAMP_WORDS} * g')}\n"
+           f"{pad}T.sync_threads()\n{pad}if tx == 0:\n{pad}    {_cta_stamp(f' + {3 * CTA_STAMP_WORDS}')}\n"
+           "\n    return leapquant_flush")
+    s = s.replace(LOOP_END, end, 1)
+    with open(dst, "w") as f:
+        f.write(s)
+
+
+def run_cta(path: str, points: list[str], calls: int = 6) -> None:
+    import torch
+
+    import tilelang_dev as td
+    mod = td.load_kernel_module(path)
+    for point in points or ["256:all"]:
+        batch, due = point.split(":")
+        cfg, nsets, call = td._timing_pool(int(batch), "kda", due)
+        kern = mod.compile_flush(mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))
+        for s in range(nsets):                  # warm-up (first touch)
+            call(kern, s)
+        torch.cuda.synchronize()
+        grid = cfg.num_sms
+        words = call.pool.raw[CTA_WORD:CTA_WORD + CTA_WORDS * grid]
+        print(f"\n{os.path.basename(path)} batch {batch} due {due}, {grid} CTAs, us (globaltimer) and kcycles (clock64):")
+        for c in range(calls):
+            words.zero_()
+            call(kern, c % nsets)
+            torch.cuda.synchronize()
+            d = words.view(torch.int64).view(grid, 4, 3).cpu()
+            t0 = d[:, 0, 0].min()
+            dur = (d[:, 3, 0] - d[:, 0, 0]).double() / 1e3
+            loops = torch.stack([d[:, 1, 1] - d[:, 0, 1], d[:, 2, 1] - d[:, 0, 1]], 1).double() / 1e3
+            print(f"call {c}: span {(d[:, 3, 0].max() - t0).item() / 1e3:.1f} us, start skew "
+                  f"{(d[:, 0, 0].max() - t0).item() / 1e3:.2f} us, CTA duration mean / max / min "
+                  f"{dur.mean():.1f} / {dur.max():.1f} / {dur.min():.1f} us, group loop mean / max / min "
+                  f"{loops.mean():.1f} / {loops.max():.1f} / {loops.min():.1f} kcycles")
+        order = dur.argsort()
+        print("slowest CTAs (block, SM, us):", [(int(b), int(d[b, 0, 2]), round(dur[b].item(), 1)) for b in order[-6:]])
+        print("fastest CTAs (block, SM, us):", [(int(b), int(d[b, 0, 2]), round(dur[b].item(), 1)) for b in order[:6]])
+
+
 def run(path: str, points: list[str]) -> None:
     import torch
 
@@ -96,5 +168,9 @@ def run(path: str, points: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "build":
         print("\n".join(build(sys.argv[2], sys.argv[3])))
+    elif sys.argv[1] == "cta-build":
+        build_cta(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "cta-run":
+        run_cta(sys.argv[2], sys.argv[3:])
     else:
         run(sys.argv[2], sys.argv[3:])

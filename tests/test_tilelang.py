@@ -48,9 +48,8 @@ def test_kernel_compiles_for_target(monkeypatch, arch, sms, gate, heads):
     assert tl_kernel.shared_bytes(cfg) <= 227 * 1024
 
 
-def test_clock_profiling_build_traces(tmp_path):
-    """bench/tilelang_clock.py's profiling build of the shipped generator: a clock stamp after every statement of the
-    program loop, and the result still traces to a kernel (the profile's segments are the phases, not guesses)."""
+def _bench_tools():
+    """bench/tilelang_clock.py and bench/tilelang_dev.py (the profiling-build tools), imported from bench/."""
     bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
     sys.path.insert(0, bench_dir)
     try:
@@ -58,6 +57,13 @@ def test_clock_profiling_build_traces(tmp_path):
         import tilelang_dev
     finally:
         sys.path.remove(bench_dir)
+    return tilelang_clock, tilelang_dev
+
+
+def test_clock_profiling_build_traces(tmp_path):
+    """bench/tilelang_clock.py's profiling build of the shipped generator: a clock stamp after every statement of the
+    program loop, and the result still traces to a kernel (the profile's segments are the phases, not guesses)."""
+    tilelang_clock, tilelang_dev = _bench_tools()
     out = tmp_path / "prof_kernel.py"
     names = tilelang_clock.build(tl_kernel.__file__, str(out))
     assert [n.split("_", 1)[1] for n in names[:3]] == ["stage_program", "rebuild_state", "project_columns"]
@@ -65,6 +71,17 @@ def test_clock_profiling_build_traces(tmp_path):
     mod = tilelang_dev.load_kernel_module(str(out))
     script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()
     assert script.count("lq_mark") == len(names)
+
+
+def test_cta_timestamp_build_traces(tmp_path):
+    """bench/tilelang_clock.py's per-CTA timestamp build of the shipped generator traces to a kernel with its three
+    stamp sites (CTA start, each group's loop end, CTA end), all outside the program loop."""
+    tilelang_clock, tilelang_dev = _bench_tools()
+    out = tmp_path / "cta_kernel.py"
+    tilelang_clock.build_cta(tl_kernel.__file__, str(out))
+    mod = tilelang_dev.load_kernel_module(str(out))
+    script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()
+    assert script.count("lq_cta_stamp") == 3
 
 
 def test_config_rejects_other_geometries():
