@@ -72,6 +72,23 @@ def build(src: str, dst: str) -> list[str]:
     return names
 
 
+def _warm_points(path: str, points: list[str]):
+    """For each "batch:due" point (default 256:all): the timing pool of bench/tilelang_dev.py and the build at
+    ``path`` compiled for it, after one warm-up call per slot set (first touch)."""
+    import torch
+
+    import tilelang_dev as td
+    mod = td.load_kernel_module(path)
+    for point in points or ["256:all"]:
+        batch, due = point.split(":")
+        cfg, nsets, call = td._timing_pool(int(batch), "kda", due)
+        kern = mod.compile_flush(mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))
+        for s in range(nsets):
+            call(kern, s)
+        torch.cuda.synchronize()
+        yield batch, due, cfg, nsets, call, kern
+
+
 CTA_WORD = 2048                 #: first header word of the CTA stamps (3 int64 per stamp, 4 stamps per CTA)
 CTA_STAMP_WORDS = 6
 CTA_WORDS = 4 * CTA_STAMP_WORDS
@@ -105,15 +122,7 @@ def build_cta(src: str, dst: str) -> None:
 def run_cta(path: str, points: list[str], calls: int = 6) -> None:
     import torch
 
-    import tilelang_dev as td
-    mod = td.load_kernel_module(path)
-    for point in points or ["256:all"]:
-        batch, due = point.split(":")
-        cfg, nsets, call = td._timing_pool(int(batch), "kda", due)
-        kern = mod.compile_flush(mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))
-        for s in range(nsets):                  # warm-up (first touch)
-            call(kern, s)
-        torch.cuda.synchronize()
+    for batch, due, cfg, nsets, call, kern in _warm_points(path, points):
         grid = cfg.num_sms
         words = call.pool.raw[CTA_WORD:CTA_WORD + CTA_WORDS * grid]
         print(f"\n{os.path.basename(path)} batch {batch} due {due}, {grid} CTAs, us (globaltimer) and kcycles (clock64):")
@@ -137,17 +146,9 @@ def run_cta(path: str, points: list[str], calls: int = 6) -> None:
 def run(path: str, points: list[str]) -> None:
     import torch
 
-    import tilelang_dev as td
     names = open(path + ".segments").read().split("\n")
-    mod = td.load_kernel_module(path)
-    for point in points or ["256:all"]:
-        batch, due = point.split(":")
-        cfg, nsets, call = td._timing_pool(int(batch), "kda", due)
-        pool = call.pool
-        kern = mod.compile_flush(mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))
-        for s in range(nsets):                  # warm-up (first touch), then one counted call per slot set
-            call(kern, s)
-        torch.cuda.synchronize()
+    for batch, due, cfg, nsets, call, kern in _warm_points(path, points):
+        pool = call.pool                        # after the warm-up: one counted call per slot set
         counters = pool.raw.view(torch.int32)[: 2 * (len(names) + 1)]
         counters.zero_()
         for s in range(nsets):
