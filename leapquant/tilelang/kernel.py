@@ -200,11 +200,12 @@ def p_row(k):
 
 
 P_ROWS = K + K // TILE                  # P's shared rows with that padding
-#: stride (floats) of the scales' partial planes: padded so that the writers of one wavefront hit different banks
-#: (column sums: 16-byte stores, a quarter-warp = lane rows 2m, 2m + 1 of consecutive planes x four quads 32 bytes
-#: apart: one 16-byte chunk of padding per plane staggers the two planes; row maxima: 4-byte stores, the four quads
-#: write consecutive planes: 8 floats of padding put them 8 banks apart, beside the 8 rows of a quad)
-COL_PLANE = K + VEC4
+#: stride (floats) of the scales' partial planes: padded so that the 32 writers of one 4-byte store hit 32 banks
+#: (column sums: lane grp writes plane 8 wr + grp, quad its 8 columns 8 quad + j: one float of padding per plane puts
+#: grp on the bank's low bits; the 32-byte partial row as 16-byte stores instead was split by ptxas into a 16-byte
+#: and four 4-byte stores, 4-way conflicted. Row maxima: the four quads write consecutive planes, 8 floats of padding
+#: put them 8 banks apart, beside the 8 rows of a quad)
+COL_PLANE = K + 1
 ROW_PLANE = V + TILE
 assert TILES_PER_SIDE * max(COL_PLANE, ROW_PLANE) <= TILES_PER_SIDE * V * R   # the planes live in the products' buffer
 
@@ -613,7 +614,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             part[j] = 0.0
             for i in T.unroll(TILE):
                 part[j] = part[j] + T.abs(S[i * TILE + j])
-        for j in T.vectorized(TILE):
+        for j in T.unroll(TILE):
             flat_s[g, tr * COL_PLANE + col0 + j] = part[j]
         T.sync_threads(bar, GROUP_THREADS)
         if t < K:
