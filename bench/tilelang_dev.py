@@ -207,9 +207,10 @@ def cmd_ab(args) -> int:
     for due in args.due:
         cfg, args.nsets, args.call = _timing_pool(args.batch, args.gate, due)
         kernels = []
-        for path in args.kernels:
+        for i, path in enumerate(args.kernels):
             mod = load_kernel_module(path)
-            kernels.append((f"{os.path.basename(path)}:{due}", mod.compile_flush(
+            rep = args.kernels[:i].count(path)          # a file named twice (ABAB) is timed twice, reported twice
+            kernels.append((f"{os.path.basename(path)}{f'#{rep + 1}' if rep else ''}:{due}", mod.compile_flush(
                 mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))))
         rows += _time_kernels(kernels, args).items()
     print("\n| kernel:due | median us |\n| --- | --- |")
