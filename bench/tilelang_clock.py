@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-LOOP_START = "                        ph.stage_program(raw32"
+LOOP_START = '                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))'
 LOOP_END = "                    T.sync_threads()\n\n    return leapquant_flush"
 BODY_INDENT = 24
 MARK = ("if t == 0:\n    T.evaluate(T.call_extern('handle', 'lq_mark', T.address_of(raw32[{k} * 2 + g]), "

@@ -5,9 +5,11 @@ the same ranking, keeps the ranks congruent to its block index modulo the grid s
 evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` independent consumer groups of
 :data:`GROUP_THREADS` threads; each group flushes one program at a time, synchronising on its own named barrier:
 
-    stage_program       old codes into registers; scales and gate into shared memory (fp32); tokens, window values
-                        and keys (w_j kbuf_j D_j, split into three bf16 parts) into shared memory as mma operands;
-                        the window is reset as soon as it is read
+    prefetch_program    the group's next program's checkpoint, window and gate copied into shared memory
+                        (cp.async) while the current one is flushed, so the DRAM traffic overlaps the compute
+    stage_program       from those buffers: old codes into registers; scales and gate into shared memory (fp32);
+                        tokens, window values and keys (w_j kbuf_j D_j, split into three bf16 parts) into shared
+                        memory as mma operands; the window is reset as soon as it is read
     rebuild_state       S = (codes s_k s_v / 127 + q^T u) * gate + sum_j ubuf_j (w_j kbuf_j D_j): the dequantisation
                         on the CUDA cores, both rank updates on the tensor cores (mma.sync with exact operands:
                         fp16 tokens, bf16 window values x the keys' bf16 hi + mid + lo, fp32 accumulation); S is an
@@ -28,13 +30,13 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
 Every value of the state and every sum is fp32; the tensor cores only see operands that are exact in their input
 type, so the kernel computes the reference's arithmetic up to the order of the sums. The phases are TileLang macros;
 :func:`flush_phases` returns them so that a profiling build (bench/tilelang_dev.py) can replace one by a variant
-without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, packing) is in :data:`PRELUDE`.
+without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, cp.async, packing) is in :data:`PRELUDE`.
 """
 
 
 from dataclasses import dataclass
 
-from ..layout import (CHECKPOINT_BYTES, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE,
+from ..layout import (CHECKPOINT_BYTES, CHECKPOINT_WORDS, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE,
                       V, slot_stride)
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
@@ -104,7 +106,6 @@ QMAXF = float(QMAX)
 #: fp16 of 1.0 (the reset value of gbuf)
 HALF_ONE = 1.0
 SUPPORTED_HEADS = (8, 16, 32)
-
 # pool offsets inside a (slot, head) region, in the units of the view that reads them
 WORD_BYTES, HALVES_PER_WORD = 4, 2       # the fp32 / int32 views count words, the fp16 view halfwords
 SK_WORD = SK_BYTE // WORD_BYTES
@@ -115,6 +116,13 @@ CODES_PER_WORD = WORD_BYTES              # int8 codes read and written as int32 
 CODE_WORDS_PER_ROW = K // CODES_PER_WORD
 TILE_WORDS = TILE // CODES_PER_WORD      # 2: the code words of one row of a thread's tile
 CODE_SIGN_BITS = 0x80808080              # XOR of a code word: every int8 code + 128 as an unsigned byte (lq_code)
+#: A group's next program's inputs (checkpoint, window, gate: ~32 KB) are copied into its shared-memory prefetch
+#: buffers by cp.async, 16-byte chunks, while the current program is flushed; the staging then reads shared memory.
+#: The codes' chunks are XOR-swizzled by row (chunk c of row v at c ^ (v % 8)), so that a quarter-warp's 8-byte reads
+#: (8 rows at one column offset) hit 8 different bank quads
+CK_CHUNKS = CHECKPOINT_WORDS // VEC4    # 1216 16-byte chunks of the checkpoint
+ROW_CHUNKS = K // (CODES_PER_WORD * VEC4)   # 8 chunks per row of codes
+CODE_CHUNKS = V * ROW_CHUNKS            # 1024: the codes' chunks come first
 assert CHECKPOINT_BYTES == TOK_BYTE + 2 * R * TOK_ROW and R == 4 and V == K == 128 and L == 16
 
 
@@ -154,6 +162,17 @@ __device__ __forceinline__ int lq_pack_codes(float x0, float x1, float x2, float
   unsigned c2 = __float_as_uint(__fmaf_rn(x2, scale, magic)), c3 = __float_as_uint(__fmaf_rn(x3, scale, magic));
   return (int)__byte_perm(__byte_perm(c0, c1, 0x0040), __byte_perm(c2, c3, 0x0040), 0x5410);
 }
+// asynchronous copies global -> shared (cp.async: no registers held while the bytes are in flight)
+__device__ __forceinline__ void lq_cp16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void lq_cp4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void lq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void lq_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 __device__ __forceinline__ void lq_mma_bf16(float* c0, float* c1, float* c2, float* c3, unsigned a0, unsigned a1,
                                             unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -218,7 +237,11 @@ def shared_bytes(cfg: FlushConfig) -> int:
                      + TILES_PER_SIDE * R * V   # reduction partials (products: 2 or 4 planes; scales: 16)
                      + (P_ROWS + V) * R         # P (padded rows) and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
-                     + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT)  # Gram partials of the orthonormalisation
+                     + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT   # Gram partials of the orthonormalisation
+                     + CHECKPOINT_WORDS         # prefetch buffers: the checkpoint,
+                     + L * (K + V) // HALVES_PER_WORD + L + K)  # kbuf, ubuf, w, pcum (GDN: p)
+    if cfg.gate == "kda":
+        per_group += 4 * L * K // HALVES_PER_WORD   # and gbuf
     scan = 4 * (cfg.rows_per_chunk + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
     return GROUPS * per_group + 4 * V * R + scan
 
@@ -227,6 +250,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
 class Phases:
     """The kernel's named units (TileLang macros), composed by :func:`make_flush_func`."""
     find_due_programs: object = None
+    prefetch_program: object = None
     stage_program: object = None
     rebuild_state: object = None
     project_columns: object = None
@@ -319,28 +343,65 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         the pair, so that a B fragment (8 columns x 4 pairs per load) hits 32 different banks."""
         return c ^ ((pair % QUADS) << 1)
 
+    def code_chunk(row, c):
+        """Prefetch-buffer chunk of the codes' 16-byte chunk c of row ``row`` (XOR-swizzled by the row)."""
+        return row * ROW_CHUNKS + (c ^ (row % ROW_CHUNKS))
+
     @T.macro
-    def stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw,
-                      kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar):
-        """Old codes into registers; scales and gate into shared memory (fp32); tokens, window values and the
-        window keys (w_j kbuf_j D_j, split into bf16 hi + mid + lo) into shared memory as the packed pairs the mma
-        fragments read; reset the window."""
+    def prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w,
+                         pf_pc):
+        """Start copying the program's checkpoint, window and gate into this group's prefetch buffers (cp.async, one
+        commit group); nothing is read from them before every thread waited and the group synchronised."""
         base = region_word(slot, head)
+        for k in T.unroll(T.ceildiv(CK_CHUNKS, GROUP_THREADS)):
+            e = k * GROUP_THREADS + t
+            if e < CK_CHUNKS:
+                dst = T.if_then_else(e < CODE_CHUNKS, code_chunk(e // ROW_CHUNKS, e % ROW_CHUNKS), e)
+                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, dst * VEC4]),
+                                         T.address_of(raw32[base + e * VEC4])))
+        h0 = t * RESET_HALVES                       # this thread's 16-byte chunk of an [L, 128] 16-bit tensor
+        T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, h0 // K, h0 % K]),
+                                 T.address_of(kbuf[slot, head, h0 // K, h0 % K])))
+        T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ub[g, h0 // V, h0 % V]),
+                                 T.address_of(ubuf[slot, head, h0 // V, h0 % V])))
+        if t < L // VEC4:
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_w[g, t * VEC4]),
+                                     T.address_of(w[slot, head, t * VEC4])))
+        if KDA:
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_gb[g, h0 // K, h0 % K]),
+                                     T.address_of(gbuf[slot, head, h0 // K, h0 % K])))
+            if t < K // VEC4:
+                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_pc[g, t * VEC4]),
+                                         T.address_of(pcum[slot, head, t * VEC4])))
+        else:
+            if t == 0:
+                T.evaluate(T.call_extern("handle", "lq_cp4", T.address_of(pf_pc[g, 0]), T.address_of(p[slot, head])))
+        T.evaluate(T.call_extern("handle", "lq_cp_commit"))
+
+    @T.macro
+    def stage_program(w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw, pf_ck, pf_ckf, pf_ckh, pf_kb, pf_ub,
+                      pf_gb, pf_w, pf_pc, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar):
+        """From the prefetch buffers (complete: the caller waited and synchronised the group): old codes into
+        registers; scales and gate into shared memory (fp32); tokens, window values and the window keys (w_j kbuf_j
+        D_j, split into bf16 hi + mid + lo) into shared memory as the packed pairs the mma fragments read; then reset
+        the window in the pool."""
+        chunk = col0 // (CODES_PER_WORD * VEC4)
+        half = (col0 // (CODES_PER_WORD * TILE_WORDS)) % 2
         for i in T.unroll(TILE):
+            row = rbase + ROW_STEP * i
             for c in T.vectorized(TILE_WORDS):
-                cw[i * TILE_WORDS + c] = raw32[base + (rbase + ROW_STEP * i) * CODE_WORDS_PER_ROW
-                                               + col0 // CODES_PER_WORD + c]
+                cw[i * TILE_WORDS + c] = pf_ck[g, code_chunk(row, chunk) * VEC4 + half * TILE_WORDS + c]
         tok = T.alloc_local((R,), F32)
         if t < K:                                   # thread per key column
-            sko_s[g, t] = rawf[base + SK_WORD + t] / QMAXF     # s_k / 127, the dequantisation step of the column
+            sko_s[g, t] = pf_ckf[g, SK_WORD + t] / QMAXF     # s_k / 127, the dequantisation step of the column
             gk = T.alloc_local((1,), F32)
             if KDA:
-                gk[0] = T.exp(pcum[slot, head, t])
+                gk[0] = T.exp(pf_pc[g, t])
             else:
-                gk[0] = p[slot, head]
+                gk[0] = pf_pc[g, 0]
             gate_s[g, t] = gk[0]
             for r in T.unroll(R):
-                tok[r] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t], F32)
+                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + t], F32)
             for pr in T.unroll(R // 2):
                 tokw_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
             key = T.alloc_local((L,), F32)
@@ -348,25 +409,25 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             decay[0] = 1.0
             for jj in T.unroll(L):
                 j = L - 1 - jj
-                key[j] = T.cast(kbuf[slot, head, j, t], F32) * w[slot, head, j]
+                key[j] = T.cast(pf_kb[g, j, t], F32) * pf_w[g, j]
                 if KDA:
                     key[j] = key[j] * decay[0]
-                    decay[0] = decay[0] * T.cast(gbuf[slot, head, j, t], F32)
+                    decay[0] = decay[0] * T.cast(pf_gb[g, j, t], F32)
             for pp in T.unroll(PAIRS):
                 for part in T.unroll(KEY_PARTS):
                     kw_s[g, part, pp, col_word(pp, t)] = T.call_extern(U32, "lq_key_part", key[2 * pp],
                                                                        key[2 * pp + 1], part)
         else:                                       # thread per value row
             v = t - K
-            svo_s[g, v] = rawf[base + SV_WORD + v]
+            svo_s[g, v] = pf_ckf[g, SV_WORD + v]
             for r in T.unroll(R):
-                tok[r] = T.cast(rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v], F32)
+                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + K + v], F32)
             for pr in T.unroll(R // 2):
                 tokw_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
             for pp in T.unroll(PAIRS):
                 ubw_s[g, pp, row_word(pp, v)] = T.call_extern(U32, "lq_pack_bf16x2",
-                                                              T.cast(ubuf[slot, head, 2 * pp, v], F32),
-                                                              T.cast(ubuf[slot, head, 2 * pp + 1, v], F32))
+                                                              T.cast(pf_ub[g, 2 * pp, v], F32),
+                                                              T.cast(pf_ub[g, 2 * pp + 1, v], F32))
         T.sync_threads(bar, GROUP_THREADS)
         # every thread has read the window: reset it, 16 bytes per thread
         if t < L // VEC4:
@@ -668,7 +729,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for c in T.vectorized(TILE_WORDS):
                 raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
-    return Phases(find_due_programs=find_due_programs, stage_program=stage_program, rebuild_state=rebuild_state,
+    return Phases(find_due_programs=find_due_programs, prefetch_program=prefetch_program, stage_program=stage_program, rebuild_state=rebuild_state,
                   project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
                   orthonormalise=orthonormalise, emit_tokens=emit_tokens, residual=residual,
                   column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
@@ -729,6 +790,14 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             skn_s = T.alloc_shared((GROUPS, K), F32)
             rsv_s = T.alloc_shared((GROUPS, V), F32)
             gram_s = T.alloc_shared((GROUPS, CHOLQR_PASSES, ORTH_WARPS, GRAM_SLOT), F32)
+            pf_ck = T.alloc_shared((GROUPS, CHECKPOINT_WORDS), I32)
+            pf_ckf = T.view(pf_ck, (GROUPS, CHECKPOINT_WORDS), F32)
+            pf_ckh = T.view(pf_ck, (GROUPS, CHECKPOINT_WORDS * HALVES_PER_WORD), F16)
+            pf_kb = T.alloc_shared((GROUPS, L, K), BF16)
+            pf_ub = T.alloc_shared((GROUPS, L, V), BF16)
+            pf_gb = T.alloc_shared((GROUPS, L, K) if KDA else (GROUPS, 1, 8), F16)
+            pf_w = T.alloc_shared((GROUPS, L), F32)
+            pf_pc = T.alloc_shared((GROUPS, K), F32)
 
             tx = T.get_thread_binding()
             ranked = T.alloc_local((1,), I32)
@@ -765,13 +834,24 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                     total[0] = ranked[0]
                     in_round = T.min(ranked[0] - rank_lo, G * LIST_CAP)
                     mine = T.max(T.ceildiv(in_round - bid, G), 0)
-                    for it in T.serial(T.ceildiv(mine - g, GROUPS)):
+                    n_mine = T.ceildiv(mine - g, GROUPS)     # this group's programs: dlist[g + GROUPS * it]
+                    if n_mine > 0:
+                        ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, dlist[g] // H, dlist[g] % H, t, g,
+                                            pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
+                    for it in T.serial(n_mine):
                         prog = dlist[g + GROUPS * it]
                         slot = prog // H
                         head = prog % H
                         base = T.cast(slot, I64) * slot_stride(H) + T.cast(head * REGION_WORDS + OFF, I64)
-                        ph.stage_program(raw32, rawf, rawh, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, rbase,
-                                         col0, cw, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar)
+                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
+                        T.sync_threads(bar, GROUP_THREADS)      # every thread's copies of this program landed
+                        ph.stage_program(w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw, pf_ck, pf_ckf, pf_ckh,
+                                         pf_kb, pf_ub, pf_gb, pf_w, pf_pc, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s,
+                                         bar)
+                        if it + 1 < n_mine:                     # the buffers are read: fetch the next program
+                            nxt = dlist[g + GROUPS * (it + 1)]
+                            ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, nxt // H, nxt % H, t, g, pf_ck,
+                                                pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
                         ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s,
                                          sko_s, svo_s, gate_s)
                         # P = orth(S^T q0)
