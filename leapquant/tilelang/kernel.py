@@ -64,6 +64,7 @@ N_TILES = TILE // 2                     # 4 mma n-tiles per thread column octet 
 #: the window update on bf16 tensor cores (ubuf is bf16 already; bf16 x bf16 products are exact in fp32) is fp32-exact
 #: up to the accumulation order
 KEY_PARTS = 3
+HALF_L = L // 2                         # window entries per staging thread (two threads per column and row)
 PAIRS = L // 2                          # bf16/fp16 pairs along the window (k of the mma): one 32-bit word each
 TOKEN_PAIRS = 4                         # rank-4 tokens as the k = 8 operand of mma.m16n8k8: pairs 2, 3 stay zero
 #: consumer groups per CTA: 2 x 256 threads = 512, so __launch_bounds__(512) caps registers at 128 per thread and
@@ -391,43 +392,50 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             row = rbase + ROW_STEP * i
             for c in T.vectorized(TILE_WORDS):
                 cw[i * TILE_WORDS + c] = pf_ck[g, code_chunk(row, chunk) * VEC4 + half * TILE_WORDS + c]
+        # The window's work is split evenly: thread t takes column (and row) c = t % K and window half h = t // K
+        # (entries [HALF_L h, HALF_L (h + 1))): its 8 keys and their 12 packed parts, 4 packed value pairs; the
+        # older half starts its decay chain from the newer half's gate product (the same products in the same order
+        # as one chain from the last entry back, so the keys are those of a single thread per column). The
+        # remaining column work (s_k, gate, u tokens) goes to h = 0, the row work (s_v, q tokens) to h = 1.
+        c = t % K
+        h = t // K                                  # warp-uniform: warps 0-3 take the older half
         tok = T.alloc_local((R,), F32)
-        if t < K:                                   # thread per key column
-            sko_s[g, t] = pf_ckf[g, SK_WORD + t] / QMAXF     # s_k / 127, the dequantisation step of the column
-            gk = T.alloc_local((1,), F32)
+        key = T.alloc_local((HALF_L,), F32)
+        decay = T.alloc_local((1,), F32)            # D_j = prod_{i > j} gbuf[i], built from the last entry back
+        decay[0] = 1.0
+        if KDA:
+            if h == 0:
+                for jj in T.unroll(HALF_L):
+                    decay[0] = decay[0] * T.cast(pf_gb[g, L - 1 - jj, c], F32)
+        for jj in T.unroll(HALF_L):
+            j = HALF_L * h + HALF_L - 1 - jj
+            key[HALF_L - 1 - jj] = T.cast(pf_kb[g, j, c], F32) * pf_w[g, j]
             if KDA:
-                gk[0] = T.exp(pf_pc[g, t])
+                key[HALF_L - 1 - jj] = key[HALF_L - 1 - jj] * decay[0]
+                decay[0] = decay[0] * T.cast(pf_gb[g, j, c], F32)
+        for pp in T.unroll(HALF_L // 2):
+            pg = (HALF_L // 2) * h + pp             # the pair's index in the window (pg % QUADS == pp)
+            for part in T.unroll(KEY_PARTS):
+                kw_s[g, part, pg, col_word(pp, c)] = T.call_extern(U32, "lq_key_part", key[2 * pp], key[2 * pp + 1],
+                                                                   part)
+            ubw_s[g, pg, row_word(pp, c)] = T.call_extern(U32, "lq_pack_bf16x2", T.cast(pf_ub[g, 2 * pg, c], F32),
+                                                          T.cast(pf_ub[g, 2 * pg + 1, c], F32))
+        if h == 0:                                  # column c: dequantisation step, gate, u tokens
+            sko_s[g, c] = pf_ckf[g, SK_WORD + c] / QMAXF
+            if KDA:
+                gate_s[g, c] = T.exp(pf_pc[g, c])
             else:
-                gk[0] = pf_pc[g, 0]
-            gate_s[g, t] = gk[0]
+                gate_s[g, c] = pf_pc[g, 0]
             for r in T.unroll(R):
-                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + t], F32)
+                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + c], F32)
             for pr in T.unroll(R // 2):
-                tokw_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
-            key = T.alloc_local((L,), F32)
-            decay = T.alloc_local((1,), F32)        # D_j = prod_{i > j} gbuf[i], built from the last entry back
-            decay[0] = 1.0
-            for jj in T.unroll(L):
-                j = L - 1 - jj
-                key[j] = T.cast(pf_kb[g, j, t], F32) * pf_w[g, j]
-                if KDA:
-                    key[j] = key[j] * decay[0]
-                    decay[0] = decay[0] * T.cast(pf_gb[g, j, t], F32)
-            for pp in T.unroll(PAIRS):
-                for part in T.unroll(KEY_PARTS):
-                    kw_s[g, part, pp, col_word(pp, t)] = T.call_extern(U32, "lq_key_part", key[2 * pp],
-                                                                       key[2 * pp + 1], part)
-        else:                                       # thread per value row
-            v = t - K
-            svo_s[g, v] = pf_ckf[g, SV_WORD + v]
+                tokw_s[g, 0, pr, col_word(pr, c)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
+        else:                                       # row c: old row scale, q tokens
+            svo_s[g, c] = pf_ckf[g, SV_WORD + c]
             for r in T.unroll(R):
-                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + K + v], F32)
+                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + K + c], F32)
             for pr in T.unroll(R // 2):
-                tokw_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
-            for pp in T.unroll(PAIRS):
-                ubw_s[g, pp, row_word(pp, v)] = T.call_extern(U32, "lq_pack_bf16x2",
-                                                              T.cast(pf_ub[g, 2 * pp, v], F32),
-                                                              T.cast(pf_ub[g, 2 * pp + 1, v], F32))
+                tokw_s[g, 1, pr, row_word(pr, c)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
         T.sync_threads(bar, GROUP_THREADS)
         # every thread has read the window: reset it, 16 bytes per thread
         if t < L // VEC4:
