@@ -157,8 +157,8 @@ dispatch.register(dispatch.Backend(
     flush=flush,
     reasons=reasons,
     description="persistent TileLang kernel (sm_90a / sm_100a): fp32 state blocks in registers, rank updates "
-                "on the tensor cores with exact operands, two consumer groups per CTA, due programs balanced "
-                "across CTAs by a rank scan",
+                "on the tensor cores with exact operands, two consumer groups per CTA, each prefetching its next "
+                "program into shared memory (cp.async), due programs balanced across CTAs by a rank scan",
     warmup=warmup,
     versions=versions,
 ))
