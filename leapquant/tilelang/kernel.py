@@ -30,14 +30,15 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
 Every value of the state and every sum is fp32; the tensor cores only see operands that are exact in their input
 type, so the kernel computes the reference's arithmetic up to the order of the sums. The phases are TileLang macros;
 :func:`flush_phases` returns them so that a profiling build (bench/tilelang_dev.py) can replace one by a variant
-without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, cp.async, packing) is in :data:`PRELUDE`.
+without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, cp.async, packing) is in
+:data:`PRELUDE`.
 """
 
 
 from dataclasses import dataclass
 
-from ..layout import (CHECKPOINT_BYTES, CHECKPOINT_WORDS, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE,
-                      V, slot_stride)
+from ..layout import (CHECKPOINT_BYTES, CHECKPOINT_WORDS, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE,
+                      SV_BYTE, TOK_BYTE, V, slot_stride)
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
 
@@ -93,7 +94,7 @@ CHOL_ABS_FLOOR = 1e-36
 GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gram matrix, packed row by row
 GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three float4
 VEC4 = 4                                # floats per 16-byte access
-RESET_HALVES = 8                        # fp16 values per 16-byte store
+CHUNK_HALVES = 8                        # 16-bit values per 16-byte chunk (the reset's stores, the prefetch's copies)
 ORTH_WARPS = V // WARP                  # 4: the warps whose threads hold one row each of P (K rows) or Q (V rows)
 CTA_WARPS = CTA_THREADS // WARP
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
@@ -107,6 +108,7 @@ QMAXF = float(QMAX)
 #: fp16 of 1.0 (the reset value of gbuf)
 HALF_ONE = 1.0
 SUPPORTED_HEADS = (8, 16, 32)
+
 # pool offsets inside a (slot, head) region, in the units of the view that reads them
 WORD_BYTES, HALVES_PER_WORD = 4, 2       # the fp32 / int32 views count words, the fp16 view halfwords
 SK_WORD = SK_BYTE // WORD_BYTES
@@ -360,7 +362,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 dst = T.if_then_else(e < CODE_CHUNKS, code_chunk(e // ROW_CHUNKS, e % ROW_CHUNKS), e)
                 T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, dst * VEC4]),
                                          T.address_of(raw32[base + e * VEC4])))
-        h0 = t * RESET_HALVES                       # this thread's 16-byte chunk of an [L, 128] 16-bit tensor
+        h0 = t * CHUNK_HALVES                       # this thread's 16-byte chunk of an [L, 128] 16-bit tensor
         T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, h0 // K, h0 % K]),
                                  T.address_of(kbuf[slot, head, h0 // K, h0 % K])))
         T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ub[g, h0 // V, h0 % V]),
@@ -442,8 +444,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for c in T.vectorized(VEC4):
                 w[slot, head, t * VEC4 + c] = 0.0
         if KDA:
-            h0 = t * RESET_HALVES                   # gbuf [L, K] fp16 is 256 x 16 bytes: one store per thread
-            for c in T.vectorized(RESET_HALVES):
+            h0 = t * CHUNK_HALVES                   # gbuf [L, K] fp16 is 256 x 16 bytes: one store per thread
+            for c in T.vectorized(CHUNK_HALVES):
                 gbuf[slot, head, h0 // K, h0 % K + c] = T.cast(HALF_ONE, F16)
             if t < K // VEC4:
                 for c in T.vectorized(VEC4):
@@ -508,9 +510,10 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 bfr[0] = kw_s[g, part, quad, col_word(quad, c)]
                 bfr[1] = kw_s[g, part, quad + QUADS, col_word(quad, c)]
                 for mt in T.unroll(M_TILES):
-                    T.evaluate(T.call_extern("handle", "lq_mma_bf16", acc_ptr(S, mt, nt, 0, 0), acc_ptr(S, mt, nt, 0, 1),
-                                             acc_ptr(S, mt, nt, 1, 0), acc_ptr(S, mt, nt, 1, 1), a[4 * mt], a[4 * mt + 1],
-                                             a[4 * mt + 2], a[4 * mt + 3], bfr[0], bfr[1]))
+                    T.evaluate(T.call_extern("handle", "lq_mma_bf16", acc_ptr(S, mt, nt, 0, 0),
+                                             acc_ptr(S, mt, nt, 0, 1), acc_ptr(S, mt, nt, 1, 0),
+                                             acc_ptr(S, mt, nt, 1, 1), a[4 * mt], a[4 * mt + 1], a[4 * mt + 2],
+                                             a[4 * mt + 3], bfr[0], bfr[1]))
 
     # ---- products -------------------------------------------------------------------------------------------------
     def plane_row(pl, o, shift):
@@ -594,9 +597,9 @@ def flush_phases(cfg: FlushConfig) -> Phases:
     @T.macro
     def orthonormalise(x4, gram_s, g, t, lane, bar, passes):
         """CholeskyQR (``passes`` passes) of the 128 x R matrix whose row t is x4 in thread t < V (K == V), in
-        place; every thread of the group calls it (it synchronises the group). Per pass: the Gram matrix G = X^T X in fp32 (each thread its
-        row's products, a butterfly over the warp, the four warps' partials summed through shared memory in one fixed
-        order, so every thread holds the same G); its Cholesky factor with pivots
+        place; every thread of the group calls it (it synchronises the group). Per pass: the Gram matrix G = X^T X
+        in fp32 (each thread its row's products, a butterfly over the warp, the four warps' partials summed through
+        shared memory in one fixed order, so every thread holds the same G); its Cholesky factor with pivots
         d_j = max(G_jj - sum_{i<j} L_ji^2, CHOL_RELATIVE_FLOOR * G_jj, CHOL_ABS_FLOOR) in every thread's registers;
         then the row x <- L^-1 x (X <- X L^-T) by forward substitution. A zero column stays exactly zero."""
         gr = T.alloc_local((GRAM_SLOT,), F32)
@@ -737,9 +740,9 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for c in T.vectorized(TILE_WORDS):
                 raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
-    return Phases(find_due_programs=find_due_programs, prefetch_program=prefetch_program, stage_program=stage_program, rebuild_state=rebuild_state,
-                  project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
-                  orthonormalise=orthonormalise, emit_tokens=emit_tokens, residual=residual,
+    return Phases(find_due_programs=find_due_programs, prefetch_program=prefetch_program, stage_program=stage_program,
+                  rebuild_state=rebuild_state, project_columns=project_columns, project_rows=project_rows,
+                  sum_partials=sum_partials, orthonormalise=orthonormalise, emit_tokens=emit_tokens, residual=residual,
                   column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
 
 
@@ -803,7 +806,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             pf_ckh = T.view(pf_ck, (GROUPS, CHECKPOINT_WORDS * HALVES_PER_WORD), F16)
             pf_kb = T.alloc_shared((GROUPS, L, K), BF16)
             pf_ub = T.alloc_shared((GROUPS, L, V), BF16)
-            pf_gb = T.alloc_shared((GROUPS, L, K) if KDA else (GROUPS, 1, 8), F16)
+            pf_gb = T.alloc_shared((GROUPS, L, K) if KDA else (GROUPS, 1, CHUNK_HALVES), F16)   # GDN: unused
             pf_w = T.alloc_shared((GROUPS, L), F32)
             pf_pc = T.alloc_shared((GROUPS, K), F32)
 
