@@ -214,6 +214,12 @@ class FlushConfig:
         return {"kind": "cuda", "arch": self.arch}
 
 
+def region_word(slot, head, num_heads):
+    """First fp32 word of the (slot, head) region of the pool (int64: a large pool exceeds 2^31 halfwords)."""
+    import tilelang.language as T
+    return T.cast(slot, I64) * slot_stride(num_heads) + T.cast(head * REGION_WORDS + OFF, I64)
+
+
 def p_row(k):
     """Row of P's k-th row in its shared array: one 16-byte chunk of padding after every 8 rows, so that the four quads
     of a quarter-warp in S P (rows 8 quad + j, 128 bytes apart: one bank quad without the padding) read four
@@ -273,14 +279,9 @@ def flush_phases(cfg: FlushConfig) -> Phases:
     H = cfg.num_heads
     G = cfg.num_sms
     KDA = cfg.gate == "kda"
-    SS = slot_stride(H)
     ROWS = cfg.rows_per_chunk
     SLOTS_PER_THREAD = ROWS // CTA_THREADS
     WORDS_PER_WARP = CTA_THREADS // CTA_WARPS   # mask words built by one warp per chunk (32)
-
-    def region_word(slot, head):
-        """First fp32 word of the (slot, head) region (int64: a large pool exceeds 2^31 halfwords)."""
-        return T.cast(slot, I64) * SS + T.cast(head * REGION_WORDS + OFF, I64)
 
     # ---- ranking of the due programs --------------------------------------------------------------------------------
     @T.macro
@@ -355,7 +356,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                          pf_pc):
         """Start copying the program's checkpoint, window and gate into this group's prefetch buffers (cp.async, one
         commit group); nothing is read from them before every thread waited and the group synchronised."""
-        base = region_word(slot, head)
+        base = region_word(slot, head, H)
         for k in T.unroll(T.ceildiv(CK_CHUNKS, GROUP_THREADS)):
             e = k * GROUP_THREADS + t
             if e < CK_CHUNKS:
@@ -853,7 +854,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         prog = dlist[g + GROUPS * it]
                         slot = prog // H
                         head = prog % H
-                        base = T.cast(slot, I64) * slot_stride(H) + T.cast(head * REGION_WORDS + OFF, I64)
+                        base = region_word(slot, head, H)
                         T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
                         T.sync_threads(bar, GROUP_THREADS)      # every thread's copies of this program landed
                         ph.stage_program(w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw, pf_ck, pf_ckf, pf_ckh,
