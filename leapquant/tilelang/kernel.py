@@ -16,8 +16,9 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
                         8 x 8 fp32 block per thread in the mma accumulator layout, in registers until the codes
     project_columns     S^T x (K x R) for x = q0, then x = Q:    partials per thread, reduce-scattered over the
                         lanes that share its columns (shuffles), one shared-memory plane per row band
-    project_rows        S x  (V x R) for x = P: likewise over the lanes that share its rows, one plane per
-                        column band
+    project_rows        S x  (V x R) for x = P on the tensor cores: the state tile is the A operand of mma.m16n8k8
+                        as it stands (tf32, split into big + small parts; P's parts are B's 8 columns), one plane
+                        per column band
     orthonormalise      CholeskyQR (two passes for Q, one for P) with a relative pivot floor: per pass one group-wide
                         reduction of the 4 x 4 Gram matrix, its Cholesky factor in every thread's registers, each
                         thread's row times L^-T
@@ -27,8 +28,9 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
     row_scales          s_v = max(max_k |E| / s_k, EPS)
     store_codes         codes = round_half_even(127 E / (s_k s_v)), packed four to a word
 
-Every value of the state and every sum is fp32; the tensor cores only see operands that are exact in their input
-type, so the kernel computes the reference's arithmetic up to the order of the sums. The phases are TileLang macros;
+Every value of the state and every sum is fp32; the tensor cores see operands that are exact in their input type
+(the rank updates) or fp32 values split into two tf32 parts (S P: ~21 of 24 significant bits), so the kernel
+computes the reference's arithmetic up to the order of the sums and, in S P, ~2^-20 relative per product term. The phases are TileLang macros;
 :func:`flush_phases` returns them so that a profiling build (bench/tilelang_dev.py) can replace one by a variant
 without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, cp.async, packing) is in
 :data:`PRELUDE`.
@@ -181,6 +183,25 @@ __device__ __forceinline__ void lq_mma_bf16(float* c0, float* c1, float* c2, flo
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(*c0), "+f"(*c1), "+f"(*c2), "+f"(*c3) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// x = big + small with big = x's sign, exponent and top 10 mantissa bits (a tf32 value, exact) and small = x - big
+// (exact in fp32, |small| < 2^-10 |x|)
+__device__ __forceinline__ float lq_tf32_big(float x) { return __uint_as_float(__float_as_uint(x) & 0xffffe000u); }
+// C += A B on the tensor cores (mma.m16n8k8, tf32 inputs, fp32 accumulation) with A = big + small split here: two
+// mma, A's big part then its small part, against the same B (whose columns carry b's own big and small parts, so the
+// products big * big, big * small, small * big, small * small all land in C). The tf32 inputs keep ~21 significant
+// bits of each fp32 value, the accumulation is fp32: the product is the fp32 one up to ~2^-20 relative per term
+__device__ __forceinline__ void lq_mma_tf32_split(float* c0, float* c1, float* c2, float* c3, float a0, float a1,
+                                                  float a2, float a3, float b0, float b1) {
+  float h0 = lq_tf32_big(a0), h1 = lq_tf32_big(a1), h2 = lq_tf32_big(a2), h3 = lq_tf32_big(a3);
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(*c0), "+f"(*c1), "+f"(*c2), "+f"(*c3)
+      : "r"(__float_as_uint(h0)), "r"(__float_as_uint(h1)), "r"(__float_as_uint(h2)), "r"(__float_as_uint(h3)),
+        "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(*c0), "+f"(*c1), "+f"(*c2), "+f"(*c3)
+      : "r"(__float_as_uint(a0 - h0)), "r"(__float_as_uint(a1 - h1)), "r"(__float_as_uint(a2 - h2)),
+        "r"(__float_as_uint(a3 - h3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
 __device__ __forceinline__ void lq_mma_f16_k8(float* c0, float* c1, float* c2, float* c3, unsigned a0, unsigned a1,
                                               unsigned b0) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
@@ -220,20 +241,21 @@ def region_word(slot, head, num_heads):
     return T.cast(slot, I64) * slot_stride(num_heads) + T.cast(head * REGION_WORDS + OFF, I64)
 
 
-def p_row(k):
-    """Row of P's k-th row in its shared array: one 16-byte chunk of padding after every 8 rows, so that the four quads
-    of a quarter-warp in S P (rows 8 quad + j, 128 bytes apart: one bank quad without the padding) read four
-    different bank quads."""
-    return k + (k >> TILE_BITS)
+#: P in shared memory as the B operand of S P on the tensor cores: row k holds (big parts of P[k, :R], small parts);
+#: the 8 columns are the mma's n = 8, so C's columns r and R + r add up to (S P)[:, r]. A stride of 2R + 1 words puts
+#: the four quads of a B load (rows 8 apart) on four different bank octets
+P_SPLIT_COLS = 2 * R
+P_SPLIT_STRIDE = P_SPLIT_COLS + 1
 
 
-P_ROWS = K + K // TILE                  # P's shared rows with that padding
 #: stride (floats) of the scales' partial planes: padded so that the 32 writers of one 4-byte store hit 32 banks
 #: (column sums: lane grp writes plane 8 wr + grp, quad its 8 columns 8 quad + j: one float of padding per plane puts
 #: grp on the bank's low bits; the 32-byte partial row as 16-byte stores instead was split by ptxas into a 16-byte
 #: and four 4-byte stores, 4-way conflicted. Row maxima: the four quads write consecutive planes, 8 floats of padding
 #: put them 8 banks apart, beside the 8 rows of a quad)
 COL_PLANE = K + 1
+#: the ``shift`` argument of sum_partials that names S P's partial layout (rows_plane_row) instead of plane_row's
+ROWS_MMA = -1
 ROW_PLANE = V + TILE
 assert TILES_PER_SIDE * max(COL_PLANE, ROW_PLANE) <= TILES_PER_SIDE * V * R   # the planes live in the products' buffer
 
@@ -244,7 +266,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
                      + PAIRS * V                # window values, bf16 pairs
                      + 2 * TOKEN_PAIRS * V      # tokens (old, then new), fp16 pairs
                      + TILES_PER_SIDE * R * V   # reduction partials (products: 2 or 4 planes; scales: 16)
-                     + (P_ROWS + V) * R         # P (padded rows) and Q
+                     + K * P_SPLIT_STRIDE + V * R    # P (split) and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
                      + CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT   # Gram partials of the orthonormalisation
                      + CHECKPOINT_WORDS         # prefetch buffers: the checkpoint,
@@ -556,38 +578,57 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         for r in T.vectorized(R):
             red_s[g, plane_row(wr, col0 + lane // QUADS, TILE_BITS), r] = red[r]
 
+    def rows_plane_row(pl, o):
+        """Index of row ``o`` in reduction plane ``pl`` of S P's partials: bit 2 flipped in the odd 8-row halves of a
+        16-row mma tile, so that a half-warp's 8-byte stores (rows grp + 8 h, grp < 4, two column pairs) hit 32
+        different banks; the readers' 8 consecutive rows stay one aligned group."""
+        return pl * V + (o ^ (((o >> TILE_BITS) & 1) << 2))
+
+    def partial_row(pl, o, shift):
+        """Row ``o`` of plane ``pl`` as its writers laid it out: ``shift`` as in plane_row, or ROWS_MMA (S P)."""
+        return rows_plane_row(pl, o) if shift == ROWS_MMA else plane_row(pl, o, shift)
+
     @T.macro
-    def project_rows(S, x_s, g, wc, lane, rbase, col0, red_s):
-        """S x (x = P: K x R, its rows at p_row) over the warp's 32 columns, to reduction plane ``wc`` (one per column
-        band): the thread's partials over its 8 columns, then a reduce-scatter over the 4 quads (lane bits 0-1),
-        after which quad m holds rows rbase + 16 m + {0, 8}."""
-        acc = T.alloc_local((TILE * R,), F32)
-        red = T.alloc_local((TILE * R // 2,), F32)
-        xv = T.alloc_local((R,), F32)
-        for e in T.unroll(TILE * R):
+    def project_rows(S, x_s, g, wc, grp, quad, rbase, col0, red_s):
+        """S x (x = P, split into tf32 big and small parts: K x 2R) over the warp's 32 columns on the tensor cores,
+        to reduction plane ``wc`` (one per column band). The thread's state tile is the A operand as it stands: k-step
+        ks takes columns col0 + 2 ks (logical k = quad) and col0 + 2 ks + 1 (k = quad + 4), and B's rows are those
+        columns of P. C's column n < R is S P_big, n >= R is S P_small: lanes quad and quad ^ 2 hold the two halves
+        of the same outputs and exchange one row half each (one shuffle per value), after which quad m holds rows
+        rbase + 16 mt + 8 (m // 2), outputs 2 (m % 2) + {0, 1}."""
+        acc = T.alloc_local((M_TILES * 4,), F32)
+        bv = T.alloc_local((2,), F32)
+        red = T.alloc_local((2,), F32)
+        for e in T.unroll(M_TILES * 4):
             acc[e] = 0.0
-        for j in T.unroll(TILE):
-            for r in T.vectorized(R):
-                xv[r] = x_s[g, p_row(col0 + j), r]
-            for i in T.unroll(TILE):
-                for r in T.unroll(R):
-                    acc[i * R + r] = acc[i * R + r] + S[i * TILE + j] * xv[r]
-        scatter_sum(acc, red, lane, TILE * R, 1)
-        scatter_sum(red, red, lane, TILE * R // 2, 0)
-        for h in T.unroll(2):
-            for r in T.vectorized(R):
-                red_s[g, plane_row(wc, rbase + MMA_M * (lane % QUADS) + ROW_STEP * h, TILE_BITS + 1), r] = \
-                    red[h * R + r]
+        for ks in T.unroll(TILE // 2):
+            for e in T.unroll(2):
+                bv[e] = x_s[g, col0 + 2 * ks + e, grp]
+            for mt in T.unroll(M_TILES):
+                lo = 2 * mt * TILE + 2 * ks                 # rows grp (i = 2 mt) and grp + 8 (i = 2 mt + 1)
+                T.evaluate(T.call_extern("handle", "lq_mma_tf32_split", T.address_of(acc[4 * mt]),
+                                         T.address_of(acc[4 * mt + 1]), T.address_of(acc[4 * mt + 2]),
+                                         T.address_of(acc[4 * mt + 3]), S[lo], S[lo + TILE], S[lo + 1],
+                                         S[lo + TILE + 1], bv[0], bv[1]))
+        hk = quad // 2
+        for mt in T.unroll(M_TILES):
+            for e in T.unroll(2):
+                keep = T.if_then_else(hk == 1, acc[4 * mt + 2 + e], acc[4 * mt + e])
+                give = T.if_then_else(hk == 1, acc[4 * mt + e], acc[4 * mt + 2 + e])
+                red[e] = keep + T.shfl_xor(give, 2)
+            for e in T.vectorized(2):
+                red_s[g, rows_plane_row(wc, rbase + MMA_M * mt + ROW_STEP * hk), 2 * (quad % 2) + e] = red[e]
 
     @T.macro
     def sum_partials(red_s, g, o, out4, planes, shift):
-        """out4 = sum over the ``planes`` reduction planes of output row ``o`` (``shift``: the writers' plane_row)."""
+        """out4 = sum over the ``planes`` reduction planes of output row ``o`` (``shift``: the writers' plane_row;
+        ROWS_MMA: S P's mma layout)."""
         part = T.alloc_local((R,), F32)
         for r in T.unroll(R):
             out4[r] = 0.0
         for pl in T.unroll(planes):
             for r in T.vectorized(R):
-                part[r] = red_s[g, plane_row(pl, o, shift), r]
+                part[r] = red_s[g, partial_row(pl, o, shift), r]
             for r in T.unroll(R):
                 out4[r] = out4[r] + part[r]
 
@@ -763,16 +804,23 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
     n_p = (1, 1) if KDA else (NS, H)
 
     @T.macro
-    def orthonormal_basis(red_s, gram_s, out_s, out_row, x4, g, t, lane, bar, passes, planes, shift):
+    def orthonormal_basis(red_s, gram_s, out_s, x4, g, t, lane, bar, passes, planes, shift, split):
         """After a product's partials are in ``red_s``: their sums (row t of the 128 x R result in thread t < 128),
-        orthonormalised in place, to row ``out_row`` of ``out_s[g]``; the group is synchronised before and after."""
+        orthonormalised in place, to row t of ``out_s[g]`` (``split``: as tf32 big parts, then small parts, the B
+        operand of S P); the group is synchronised before and after."""
         T.sync_threads(bar, GROUP_THREADS)
         if t < V:                               # K == V: the row count of either product
             ph.sum_partials(red_s, g, t, x4, planes, shift)
         ph.orthonormalise(x4, gram_s, g, t, lane, bar, passes)
         if t < V:
-            for r in T.vectorized(R):
-                out_s[g, out_row, r] = x4[r]
+            if split:
+                for r in T.unroll(R):
+                    big = T.call_extern(F32, "lq_tf32_big", x4[r])
+                    out_s[g, t, r] = big
+                    out_s[g, t, R + r] = x4[r] - big
+            else:
+                for r in T.vectorized(R):
+                    out_s[g, t, r] = x4[r]
         T.sync_threads(bar, GROUP_THREADS)
 
     @T.prim_func
@@ -794,7 +842,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             tokw_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)    # [u side (columns), q side (rows)]
             red_s = T.alloc_shared((GROUPS, TILES_PER_SIDE * V, R), F32)
             flat_s = T.view(red_s, (GROUPS, TILES_PER_SIDE * V * R), F32)
-            pv_s = T.alloc_shared((GROUPS, P_ROWS, R), F32)
+            pv_s = T.alloc_shared((GROUPS, K, P_SPLIT_STRIDE), F32)
             qv_s = T.alloc_shared((GROUPS, V, R), F32)
             sko_s = T.alloc_shared((GROUPS, K), F32)
             svo_s = T.alloc_shared((GROUPS, V), F32)
@@ -868,12 +916,12 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                                          sko_s, svo_s, gate_s)
                         # P = orth(S^T q0)
                         ph.project_columns(S, q0_s, 0, g, wr, lane, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, pv_s, p_row(t), x4, g, t, lane, bar, P_CHOLQR_PASSES,
-                                          ROW_BANDS, TILE_BITS)
+                        orthonormal_basis(red_s, gram_s, pv_s, x4, g, t, lane, bar, P_CHOLQR_PASSES, ROW_BANDS,
+                                          TILE_BITS, True)
                         # Q = orth(S P)
-                        ph.project_rows(S, pv_s, g, wc, lane, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, qv_s, t, x4, g, t, lane, bar, CHOLQR_PASSES,
-                                          COL_BANDS, TILE_BITS + 1)
+                        ph.project_rows(S, pv_s, g, wc, grp, quad, rbase, col0, red_s)
+                        orthonormal_basis(red_s, gram_s, qv_s, x4, g, t, lane, bar, CHOLQR_PASSES, COL_BANDS,
+                                          ROWS_MMA, False)
                         # U = S^T Q, the fp16 tokens
                         ph.project_columns(S, qv_s, g, g, wr, lane, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
