@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-LOOP_START = '                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))'
+LOOP_START = '                        ph.load_codes(cw, g, rbase, col0, pf_ck)'     # the program loop's first statement
 LOOP_END = "                    T.sync_threads()\n\n    return leapquant_flush"
 BODY_INDENT = 24
 MARK = ("if t == 0:\n    T.evaluate(T.call_extern('handle', 'lq_mark', T.address_of(raw32[{k} * 2 + g]), "
@@ -54,7 +54,7 @@ def build(src: str, dst: str) -> list[str]:
         stmt.append(ln.strip())
         depth = sum(x.count("(") - x.count(")") for x in stmt)
         indent = len(ln) - len(ln.lstrip())
-        if depth == 0 and not stmt[0].startswith(("if ", "for ", "#")) and indent >= BODY_INDENT:
+        if depth == 0 and not stmt[0].startswith(("if ", "elif ", "else", "for ", "#")) and indent >= BODY_INDENT:
             if indent == BODY_INDENT or len(stmt) > 1:    # a statement of the loop body, not of a nested block
                 name = stmt[0].split("(")[0].replace("ph.", "")
                 names.append(f"{len(names) + 1:02d}_{name}")

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+#: the staging's units (the round's first program: stage_program; the others: the pieces the staging warps run)
+STAGING = ("stage_program", "stage_window_half", "stage_column", "stage_row")
 PROFILE_VARIANTS = {
     # name: (phases run twice, phases replaced by empty units). Only phases that are idempotent are repeated (the
     # program's data stays the same, so no variant wanders into NaN/denormal slow paths); a phase's cost is
@@ -29,7 +31,7 @@ PROFILE_VARIANTS = {
     "full": ((), ()),
     "x2_rebuild": (("rebuild_state",), ()),
     "x2_products": (("project_columns", "project_rows", "sum_partials"), ()),
-    "x2_orthonormalise": (("orthonormalise",), ()),
+    "x2_gram": (("gram_partials",), ()),
     "x2_tokens": (("emit_tokens",), ()),
     "x2_row_scales": (("row_scales",), ()),
     "x2_codes": (("store_codes",), ()),
@@ -37,10 +39,10 @@ PROFILE_VARIANTS = {
     "x2_residual": (("residual",), ()),
     "x2_column_scales": (("column_scales",), ()),
     # the staging left out: the flush computes on whatever the shared memory holds (its cost: full - no_stage)
-    "no_stage": ((), ("stage_program",)),
-    "ranking_only": ((), ("stage_program", "rebuild_state", "project_columns", "project_rows", "sum_partials",
-                          "orthonormalise", "emit_tokens", "residual", "column_scales", "row_scales",
-                          "store_codes")),
+    "no_stage": ((), STAGING),
+    "ranking_only": ((), STAGING + ("load_codes", "rebuild_state", "project_columns", "project_rows",
+                                    "sum_partials", "gram_partials", "cholesky_apply", "emit_tokens", "residual",
+                                    "column_scales", "row_scales", "store_codes")),
 }
 PRECOMPILE_HEADS = (32, 16, 8)
 

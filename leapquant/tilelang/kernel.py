@@ -77,6 +77,10 @@ CTA_THREADS = GROUPS * GROUP_THREADS
 WARP = 32
 WARP_LEVELS = 5                         # butterfly levels of a reduction over the 32 lanes of a warp
 FIRST_GROUP_BARRIER = 1                 # named barrier ids 1.. belong to the groups (0 is __syncthreads)
+#: the staging warps of a group (its warps 4-7) stage its next program while warps 0-3 orthonormalise the current
+#: one; they synchronise among themselves on barriers FIRST_STAGE_BARRIER + group
+STAGE_THREADS = GROUP_THREADS // 2
+FIRST_STAGE_BARRIER = FIRST_GROUP_BARRIER + GROUPS
 #: CholeskyQR2 (SPEC section 2): X <- X L^-T with L L^T = X^T X, twice. The first pass leaves columns orthonormal to
 #: about eps * cond(X)^2 (after the pivot floor, cond of its output is small), the second to working precision
 CHOLQR_PASSES = 2
@@ -97,6 +101,7 @@ GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gr
 GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three float4
 VEC4 = 4                                # floats per 16-byte access
 CHUNK_HALVES = 8                        # 16-bit values per 16-byte chunk (the reset's stores, the prefetch's copies)
+WINDOW_CHUNKS = L * K // CHUNK_HALVES   # 256 such chunks in an [L, 128] 16-bit window tensor (kbuf, ubuf, gbuf)
 ORTH_WARPS = V // WARP                  # 4: the warps whose threads hold one row each of P (K rows) or Q (V rows)
 CTA_WARPS = CTA_THREADS // WARP
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
@@ -264,7 +269,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
     """Static shared memory of the kernel (checked against the device's limit by ``reasons``)."""
     per_group = 4 * (KEY_PARTS * PAIRS * K   # window keys, bf16 parts, packed in pairs
                      + PAIRS * V                # window values, bf16 pairs
-                     + 2 * TOKEN_PAIRS * V      # tokens (old, then new), fp16 pairs
+                     + 2 * 2 * TOKEN_PAIRS * V  # tokens (old and new, both sides), fp16 pairs
                      + TILES_PER_SIDE * R * V   # reduction partials (products: 2 or 4 planes; scales: 16)
                      + K * P_SPLIT_STRIDE + V * R    # P (split) and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
@@ -283,11 +288,17 @@ class Phases:
     find_due_programs: object = None
     prefetch_program: object = None
     stage_program: object = None
+    load_codes: object = None
+    stage_window_half: object = None
+    stage_column: object = None
+    stage_row: object = None
+    reset_window: object = None
     rebuild_state: object = None
     project_columns: object = None
     project_rows: object = None
     sum_partials: object = None
-    orthonormalise: object = None
+    gram_partials: object = None
+    cholesky_apply: object = None
     emit_tokens: object = None
     residual: object = None
     column_scales: object = None
@@ -374,28 +385,31 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         return row * ROW_CHUNKS + (c ^ (row % ROW_CHUNKS))
 
     @T.macro
-    def prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w,
-                         pf_pc):
+    def prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, nthreads, g, pf_ck, pf_kb, pf_ub, pf_gb,
+                         pf_w, pf_pc):
         """Start copying the program's checkpoint, window and gate into this group's prefetch buffers (cp.async, one
-        commit group); nothing is read from them before every thread waited and the group synchronised."""
+        commit group), issued by ``nthreads`` threads (t < nthreads: the whole group, or its staging warps); nothing
+        is read from them before the issuing threads waited and synchronised with the readers."""
         base = region_word(slot, head, H)
-        for k in T.unroll(T.ceildiv(CK_CHUNKS, GROUP_THREADS)):
-            e = k * GROUP_THREADS + t
+        for k in T.unroll(T.ceildiv(CK_CHUNKS, nthreads)):
+            e = k * nthreads + t
             if e < CK_CHUNKS:
                 dst = T.if_then_else(e < CODE_CHUNKS, code_chunk(e // ROW_CHUNKS, e % ROW_CHUNKS), e)
                 T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, dst * VEC4]),
                                          T.address_of(raw32[base + e * VEC4])))
-        h0 = t * CHUNK_HALVES                       # this thread's 16-byte chunk of an [L, 128] 16-bit tensor
-        T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, h0 // K, h0 % K]),
-                                 T.address_of(kbuf[slot, head, h0 // K, h0 % K])))
-        T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ub[g, h0 // V, h0 % V]),
-                                 T.address_of(ubuf[slot, head, h0 // V, h0 % V])))
+        for k in T.unroll(WINDOW_CHUNKS // nthreads):
+            h0 = (k * nthreads + t) * CHUNK_HALVES  # a 16-byte chunk of an [L, 128] 16-bit tensor
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, h0 // K, h0 % K]),
+                                     T.address_of(kbuf[slot, head, h0 // K, h0 % K])))
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ub[g, h0 // V, h0 % V]),
+                                     T.address_of(ubuf[slot, head, h0 // V, h0 % V])))
+            if KDA:
+                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_gb[g, h0 // K, h0 % K]),
+                                         T.address_of(gbuf[slot, head, h0 // K, h0 % K])))
         if t < L // VEC4:
             T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_w[g, t * VEC4]),
                                      T.address_of(w[slot, head, t * VEC4])))
         if KDA:
-            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_gb[g, h0 // K, h0 % K]),
-                                     T.address_of(gbuf[slot, head, h0 // K, h0 % K])))
             if t < K // VEC4:
                 T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_pc[g, t * VEC4]),
                                          T.address_of(pcum[slot, head, t * VEC4])))
@@ -405,26 +419,22 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         T.evaluate(T.call_extern("handle", "lq_cp_commit"))
 
     @T.macro
-    def stage_program(w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw, pf_ck, pf_ckf, pf_ckh, pf_kb, pf_ub,
-                      pf_gb, pf_w, pf_pc, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s, bar):
-        """From the prefetch buffers (complete: the caller waited and synchronised the group): old codes into
-        registers; scales and gate into shared memory (fp32); tokens, window values and the window keys (w_j kbuf_j
-        D_j, split into bf16 hi + mid + lo) into shared memory as the packed pairs the mma fragments read; then reset
-        the window in the pool."""
+    def load_codes(cw, g, rbase, col0, pf_ck):
+        """The program's old codes (this thread's 8 x 8 tile, two int32 words per row) from the prefetch buffer into
+        registers."""
         chunk = col0 // (CODES_PER_WORD * VEC4)
         half = (col0 // (CODES_PER_WORD * TILE_WORDS)) % 2
         for i in T.unroll(TILE):
             row = rbase + ROW_STEP * i
             for c in T.vectorized(TILE_WORDS):
                 cw[i * TILE_WORDS + c] = pf_ck[g, code_chunk(row, chunk) * VEC4 + half * TILE_WORDS + c]
-        # The window's work is split evenly: thread t takes column (and row) c = t % K and window half h = t // K
-        # (entries [HALF_L h, HALF_L (h + 1))): its 8 keys and their 12 packed parts, 4 packed value pairs; the
-        # older half starts its decay chain from the newer half's gate product (the same products in the same order
-        # as one chain from the last entry back, so the keys are those of a single thread per column). The
-        # remaining column work (s_k, gate, u tokens) goes to h = 0, the row work (s_v, q tokens) to h = 1.
-        c = t % K
-        h = t // K                                  # warp-uniform: warps 0-3 take the older half
-        tok = T.alloc_local((R,), F32)
+
+    @T.macro
+    def stage_window_half(c, h, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s):
+        """Window half ``h`` (entries [HALF_L h, HALF_L (h + 1))) of column and row ``c``: its keys w_j kbuf_j D_j
+        split into three bf16 parts and its values as bf16 pairs, to shared memory as the mma operands. The older
+        half (h = 0) starts its decay chain from the newer half's gate product: the same products in the same order
+        as one chain from the last entry back, so the keys do not depend on how the halves are shared out."""
         key = T.alloc_local((HALF_L,), F32)
         decay = T.alloc_local((1,), F32)            # D_j = prod_{i > j} gbuf[i], built from the last entry back
         decay[0] = 1.0
@@ -445,63 +455,93 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                                                                    part)
             ubw_s[g, pg, row_word(pp, c)] = T.call_extern(U32, "lq_pack_bf16x2", T.cast(pf_ub[g, 2 * pg, c], F32),
                                                           T.cast(pf_ub[g, 2 * pg + 1, c], F32))
-        if h == 0:                                  # column c: dequantisation step, gate, u tokens
-            sko_s[g, c] = pf_ckf[g, SK_WORD + c] / QMAXF
-            if KDA:
-                gate_s[g, c] = T.exp(pf_pc[g, c])
-            else:
-                gate_s[g, c] = pf_pc[g, 0]
-            for r in T.unroll(R):
-                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + c], F32)
-            for pr in T.unroll(R // 2):
-                tokw_s[g, 0, pr, col_word(pr, c)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
-        else:                                       # row c: old row scale, q tokens
-            svo_s[g, c] = pf_ckf[g, SV_WORD + c]
-            for r in T.unroll(R):
-                tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + K + c], F32)
-            for pr in T.unroll(R // 2):
-                tokw_s[g, 1, pr, row_word(pr, c)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
-        T.sync_threads(bar, GROUP_THREADS)
-        # every thread has read the window: reset it, 16 bytes per thread
+
+    @T.macro
+    def stage_column(c, g, pf_ckf, pf_ckh, pf_pc, sko_s, gate_s, tok_s):
+        """Column ``c``: the dequantisation step s_k / 127, the gate, the old u tokens as fp16 mma pairs."""
+        tok = T.alloc_local((R,), F32)
+        sko_s[g, c] = pf_ckf[g, SK_WORD + c] / QMAXF
+        if KDA:
+            gate_s[g, c] = T.exp(pf_pc[g, c])
+        else:
+            gate_s[g, c] = pf_pc[g, 0]
+        for r in T.unroll(R):
+            tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + c], F32)
+        for pr in T.unroll(R // 2):
+            tok_s[g, 0, pr, col_word(pr, c)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
+
+    @T.macro
+    def stage_row(c, g, pf_ckf, pf_ckh, svo_s, tok_s):
+        """Row ``c``: the old row scale, the old q tokens as fp16 mma pairs."""
+        tok = T.alloc_local((R,), F32)
+        svo_s[g, c] = pf_ckf[g, SV_WORD + c]
+        for r in T.unroll(R):
+            tok[r] = T.cast(pf_ckh[g, TOK_HALF + r * TOK_ROW + K + c], F32)
+        for pr in T.unroll(R // 2):
+            tok_s[g, 1, pr, row_word(pr, c)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
+
+    @T.macro
+    def reset_window(w, pcum, gbuf, p, slot, head, t, nthreads):
+        """The program's window reset in the pool (w = 0, pcum = 0, gbuf = 1; GDN p = 1) by ``nthreads`` threads,
+        16 bytes per store. The staging reads the window from the prefetch buffers, so the reset only has to follow
+        the copies: every issuing thread waited for its own and synchronised with the others."""
         if t < L // VEC4:
             for c in T.vectorized(VEC4):
                 w[slot, head, t * VEC4 + c] = 0.0
         if KDA:
-            h0 = t * CHUNK_HALVES                   # gbuf [L, K] fp16 is 256 x 16 bytes: one store per thread
-            for c in T.vectorized(CHUNK_HALVES):
-                gbuf[slot, head, h0 // K, h0 % K + c] = T.cast(HALF_ONE, F16)
+            for k in T.unroll(WINDOW_CHUNKS // nthreads):
+                h0 = (k * nthreads + t) * CHUNK_HALVES
+                for c in T.vectorized(CHUNK_HALVES):
+                    gbuf[slot, head, h0 // K, h0 % K + c] = T.cast(HALF_ONE, F16)
             if t < K // VEC4:
                 for c in T.vectorized(VEC4):
                     pcum[slot, head, t * VEC4 + c] = 0.0
-        if not KDA:
+        else:
             if t == 0:
                 p[slot, head] = 1.0
+
+    @T.macro
+    def stage_program(w, pcum, gbuf, p, slot, head, t, g, pf_ckf, pf_ckh, pf_kb, pf_ub, pf_gb, pf_w, pf_pc, kw_s,
+                      ubw_s, tok_s, sko_s, svo_s, gate_s):
+        """The whole staging of a program by the whole group (the first program of a round; the others are staged
+        by the staging warps while the previous one is orthonormalised): scales and gate into shared memory (fp32);
+        tokens, window values and the window keys into shared memory as the packed pairs the mma fragments read;
+        then the window reset in the pool. Thread t takes column and row c = t % K and window half t // K; the
+        column work goes to half 0, the row work to half 1. (The codes stay in the prefetch buffer: load_codes.)"""
+        c = t % K
+        h = t // K                                  # warp-uniform: warps 0-3 take the older half
+        stage_window_half(c, h, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
+        if h == 0:
+            stage_column(c, g, pf_ckf, pf_ckh, pf_pc, sko_s, gate_s, tok_s)
+        else:
+            stage_row(c, g, pf_ckf, pf_ckh, svo_s, tok_s)
+        reset_window(w, pcum, gbuf, p, slot, head, t, GROUP_THREADS)
 
     def acc_ptr(S, mt, nt, half, e):
         """Pointer to the state element of mma tile (mt, nt) that the C fragment's register 2 * half + e holds."""
         return T.address_of(S[(2 * mt + half) * TILE + 2 * nt + e])
 
     @T.macro
-    def add_token_product(S, tokw_s, g, grp, quad, band_r, band_c):
-        """S += A^T B for the rank-4 tokens in ``tokw_s[g]`` (side 1: the rows' A = q, side 0: the columns' B = u,
+    def add_token_product(S, tok_s, g, grp, quad, band_r, band_c):
+        """S += A^T B for the rank-4 tokens in ``tok_s[g]`` (side 1: the rows' A = q, side 0: the columns' B = u,
         fp16 pairs), on the tensor cores: mma.m16n8k8 with k = the token rank padded to 8 by zero pairs. fp16 x fp16
         products are exact in fp32, so this is the fp32 rank-4 update up to the order of the sums."""
         a = T.alloc_local((M_TILES * 2,), U32)
         bfr = T.alloc_local((1,), U32)
         for mt in T.unroll(M_TILES):
             r0 = band_r + MMA_M * mt + grp
-            a[2 * mt] = tokw_s[g, 1, quad, row_word(quad, r0)]
-            a[2 * mt + 1] = tokw_s[g, 1, quad, row_word(quad, r0 + ROW_STEP)]
+            a[2 * mt] = tok_s[g, 1, quad, row_word(quad, r0)]
+            a[2 * mt + 1] = tok_s[g, 1, quad, row_word(quad, r0 + ROW_STEP)]
         for nt in T.unroll(N_TILES):
             c = band_c + TILE * (grp // 2) + 2 * nt + grp % 2      # the physical column of B's column grp
-            bfr[0] = tokw_s[g, 0, quad, col_word(quad, c)]
+            bfr[0] = tok_s[g, 0, quad, col_word(quad, c)]
             for mt in T.unroll(M_TILES):
                 T.evaluate(T.call_extern("handle", "lq_mma_f16_k8", acc_ptr(S, mt, nt, 0, 0), acc_ptr(S, mt, nt, 0, 1),
                                          acc_ptr(S, mt, nt, 1, 0), acc_ptr(S, mt, nt, 1, 1), a[2 * mt], a[2 * mt + 1],
                                          bfr[0]))
 
     @T.macro
-    def rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s):
+    def rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tok_s, sko_s, svo_s, gate_s):
         """S = (codes s_k / 127 s_v + q_old^T u_old) * gate + sum_j ubuf_j (w_j kbuf_j D_j), this thread's 8 x 8
         part: the dequantisation on the CUDA cores, both rank updates on the tensor cores."""
         colv = T.alloc_local((TILE,), F32)
@@ -512,7 +552,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for j in T.unroll(TILE):
                 word = T.cast(cw[i * TILE_WORDS + j // CODES_PER_WORD], U32) ^ T.uint32(CODE_SIGN_BITS)
                 S[i * TILE + j] = T.call_extern(F32, "lq_code", word, j % CODES_PER_WORD) * colv[j] * sv
-        add_token_product(S, tokw_s, g, grp, quad, band_r, band_c)
+        add_token_product(S, tok_s, g, grp, quad, band_r, band_c)
         for j in T.vectorized(TILE):
             colv[j] = gate_s[g, col0 + j]
         for i in T.unroll(TILE):
@@ -637,62 +677,62 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         return j * (j + 1) // 2 + i
 
     @T.macro
-    def orthonormalise(x4, gram_s, g, t, lane, bar, passes):
-        """CholeskyQR (``passes`` passes) of the 128 x R matrix whose row t is x4 in thread t < V (K == V), in
-        place; every thread of the group calls it (it synchronises the group). Per pass: the Gram matrix G = X^T X
-        in fp32 (each thread its row's products, a butterfly over the warp, the four warps' partials summed through
-        shared memory in one fixed order, so every thread holds the same G); its Cholesky factor with pivots
-        d_j = max(G_jj - sum_{i<j} L_ji^2, CHOL_RELATIVE_FLOOR * G_jj, CHOL_ABS_FLOOR) in every thread's registers;
-        then the row x <- L^-1 x (X <- X L^-T) by forward substitution. A zero column stays exactly zero."""
+    def gram_partials(x4, gram_s, g, t, lane, ps):
+        """CholeskyQR pass ``ps``, first half (threads t < V, whose row t of the 128 x R matrix X is x4; K == V):
+        this warp's part of the Gram matrix G = X^T X in fp32 (each thread its row's products, a butterfly over the
+        warp) to gram_s. The caller synchronises the group before cholesky_apply reads it."""
+        gr = T.alloc_local((GRAM_SLOT,), F32)
+        warp = t // WARP
+        for e in T.unroll(GRAM_SLOT):
+            gr[e] = 0.0
+        for j in T.unroll(R):
+            for i in T.unroll(R):
+                if i <= j:
+                    gr[tri(j, i)] = x4[j] * x4[i]
+        for s in T.unroll(WARP_LEVELS):
+            for e in T.unroll(GRAM_ENTRIES):
+                gr[e] = gr[e] + T.shfl_xor(gr[e], (WARP // 2) >> s)
+        if lane == 0:
+            for c in T.unroll(GRAM_SLOT // VEC4):
+                for e in T.vectorized(VEC4):
+                    gram_s[g, ps, warp, c * VEC4 + e] = gr[c * VEC4 + e]
+
+    @T.macro
+    def cholesky_apply(x4, gram_s, g, ps):
+        """CholeskyQR pass ``ps``, second half (threads t < V): G from the four warps' partials summed in one fixed
+        order (every thread holds the same G); its Cholesky factor with pivots d_j = max(G_jj - sum_{i<j} L_ji^2,
+        CHOL_RELATIVE_FLOOR * G_jj, CHOL_ABS_FLOOR) in every thread's registers; then the row x <- L^-1 x
+        (X <- X L^-T) by forward substitution. A zero column stays exactly zero."""
         gr = T.alloc_local((GRAM_SLOT,), F32)
         lf = T.alloc_local((GRAM_ENTRIES,), F32)    # L_ji below the diagonal, 1 / L_jj on it
         acc = T.alloc_local((1,), F32)
-        warp = t // WARP
-        for ps in T.unroll(passes):
-            if t < V:
-                for e in T.unroll(GRAM_SLOT):
-                    gr[e] = 0.0
-                for j in T.unroll(R):
-                    for i in T.unroll(R):
-                        if i <= j:
-                            gr[tri(j, i)] = x4[j] * x4[i]
-                for s in T.unroll(WARP_LEVELS):
-                    for e in T.unroll(GRAM_ENTRIES):
-                        gr[e] = gr[e] + T.shfl_xor(gr[e], (WARP // 2) >> s)
-                if lane == 0:
-                    for c in T.unroll(GRAM_SLOT // VEC4):
-                        for e in T.vectorized(VEC4):
-                            gram_s[g, ps, warp, c * VEC4 + e] = gr[c * VEC4 + e]
-            T.sync_threads(bar, GROUP_THREADS)
-            if t < V:
-                for e in T.unroll(GRAM_SLOT):
-                    gr[e] = 0.0
-                for w in T.unroll(ORTH_WARPS):
-                    for c in T.unroll(GRAM_SLOT // VEC4):
-                        for e in T.vectorized(VEC4):
-                            gr[c * VEC4 + e] = gr[c * VEC4 + e] + gram_s[g, ps, w, c * VEC4 + e]
-                for j in T.unroll(R):                   # Cholesky, column by column
-                    acc[0] = gr[tri(j, j)]
+        for e in T.unroll(GRAM_SLOT):
+            gr[e] = 0.0
+        for w in T.unroll(ORTH_WARPS):
+            for c in T.unroll(GRAM_SLOT // VEC4):
+                for e in T.vectorized(VEC4):
+                    gr[c * VEC4 + e] = gr[c * VEC4 + e] + gram_s[g, ps, w, c * VEC4 + e]
+        for j in T.unroll(R):                       # Cholesky, column by column
+            acc[0] = gr[tri(j, j)]
+            for i in T.unroll(R):
+                if i < j:
+                    acc[0] = acc[0] - lf[tri(j, i)] * lf[tri(j, i)]
+            lf[tri(j, j)] = T.rsqrt(T.max(T.max(acc[0], CHOL_RELATIVE_FLOOR * gr[tri(j, j)]), CHOL_ABS_FLOOR))
+            for k in T.unroll(R):
+                if k > j:
+                    acc[0] = gr[tri(k, j)]
                     for i in T.unroll(R):
                         if i < j:
-                            acc[0] = acc[0] - lf[tri(j, i)] * lf[tri(j, i)]
-                    lf[tri(j, j)] = T.rsqrt(T.max(T.max(acc[0], CHOL_RELATIVE_FLOOR * gr[tri(j, j)]),
-                                                  CHOL_ABS_FLOOR))
-                    for k in T.unroll(R):
-                        if k > j:
-                            acc[0] = gr[tri(k, j)]
-                            for i in T.unroll(R):
-                                if i < j:
-                                    acc[0] = acc[0] - lf[tri(k, i)] * lf[tri(j, i)]
-                            lf[tri(k, j)] = acc[0] * lf[tri(j, j)]
-                for j in T.unroll(R):                   # forward substitution: this thread's row
-                    for i in T.unroll(R):
-                        if i < j:
-                            x4[j] = x4[j] - lf[tri(j, i)] * x4[i]
-                    x4[j] = x4[j] * lf[tri(j, j)]
+                            acc[0] = acc[0] - lf[tri(k, i)] * lf[tri(j, i)]
+                    lf[tri(k, j)] = acc[0] * lf[tri(j, j)]
+        for j in T.unroll(R):                       # forward substitution: this thread's row
+            for i in T.unroll(R):
+                if i < j:
+                    x4[j] = x4[j] - lf[tri(j, i)] * x4[i]
+            x4[j] = x4[j] * lf[tri(j, j)]
 
     @T.macro
-    def emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s):
+    def emit_tokens(rawh, base, t, g, red_s, qv_s, tok_s):
         """u = fp16(clamp(U^T)) (U summed here from its partials) and q = fp16(Q^T) to the pool; the same fp16
         values, q negated (exactly), to shared memory as the operands of the residual's rank-4 update."""
         tok = T.alloc_local((R,), F32)
@@ -704,7 +744,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t] = uh
                 tok[r] = T.cast(uh, F32)
             for pr in T.unroll(R // 2):
-                tokw_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
+                tok_s[g, 0, pr, col_word(pr, t)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
         else:
             v = t - K
             for r in T.unroll(R):
@@ -712,12 +752,12 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + K + v] = qh
                 tok[r] = -T.cast(qh, F32)
             for pr in T.unroll(R // 2):
-                tokw_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
+                tok_s[g, 1, pr, row_word(pr, v)] = T.call_extern(U32, "lq_pack_f16x2", tok[2 * pr], tok[2 * pr + 1])
 
     @T.macro
-    def residual(S, tokw_s, g, grp, quad, band_r, band_c):
+    def residual(S, tok_s, g, grp, quad, band_r, band_c):
         """E = S - q^T u with the fp16-rounded tokens, in place (tensor cores, exact products, fp32 sums)."""
-        add_token_product(S, tokw_s, g, grp, quad, band_r, band_c)
+        add_token_product(S, tok_s, g, grp, quad, band_r, band_c)
 
     @T.macro
     def column_scales(S, rawf, base, t, g, tr, col0, flat_s, skn_s, bar):
@@ -783,9 +823,11 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
     return Phases(find_due_programs=find_due_programs, prefetch_program=prefetch_program, stage_program=stage_program,
-                  rebuild_state=rebuild_state, project_columns=project_columns, project_rows=project_rows,
-                  sum_partials=sum_partials, orthonormalise=orthonormalise, emit_tokens=emit_tokens, residual=residual,
-                  column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
+                  load_codes=load_codes, stage_window_half=stage_window_half, stage_column=stage_column,
+                  stage_row=stage_row, reset_window=reset_window, rebuild_state=rebuild_state,
+                  project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
+                  gram_partials=gram_partials, cholesky_apply=cholesky_apply, emit_tokens=emit_tokens,
+                  residual=residual, column_scales=column_scales, row_scales=row_scales, store_codes=store_codes)
 
 
 def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
@@ -804,24 +846,17 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
     n_p = (1, 1) if KDA else (NS, H)
 
     @T.macro
-    def orthonormal_basis(red_s, gram_s, out_s, x4, g, t, lane, bar, passes, planes, shift, split):
-        """After a product's partials are in ``red_s``: their sums (row t of the 128 x R result in thread t < 128),
-        orthonormalised in place, to row t of ``out_s[g]`` (``split``: as tf32 big parts, then small parts, the B
-        operand of S P); the group is synchronised before and after."""
-        T.sync_threads(bar, GROUP_THREADS)
-        if t < V:                               # K == V: the row count of either product
-            ph.sum_partials(red_s, g, t, x4, planes, shift)
-        ph.orthonormalise(x4, gram_s, g, t, lane, bar, passes)
-        if t < V:
-            if split:
-                for r in T.unroll(R):
-                    big = T.call_extern(F32, "lq_tf32_big", x4[r])
-                    out_s[g, t, r] = big
-                    out_s[g, t, R + r] = x4[r] - big
-            else:
-                for r in T.vectorized(R):
-                    out_s[g, t, r] = x4[r]
-        T.sync_threads(bar, GROUP_THREADS)
+    def store_basis(out_s, x4, g, t, split):
+        """Row t (< V) of an orthonormal basis to ``out_s[g]``; ``split``: as its tf32 big parts, then small parts
+        (P, the B operand of S P)."""
+        if split:
+            for r in T.unroll(R):
+                big = T.call_extern(F32, "lq_tf32_big", x4[r])
+                out_s[g, t, r] = big
+                out_s[g, t, R + r] = x4[r] - big
+        else:
+            for r in T.vectorized(R):
+                out_s[g, t, r] = x4[r]
 
     @T.prim_func
     def leapquant_flush(raw32: T.Tensor((NW,), I32), rawf: T.Tensor((NW,), F32), rawh: T.Tensor((NH,), F16),
@@ -839,7 +874,10 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             # per consumer group
             kw_s = T.alloc_shared((GROUPS, KEY_PARTS, PAIRS, K), U32)
             ubw_s = T.alloc_shared((GROUPS, PAIRS, V), U32)
-            tokw_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)    # [u side (columns), q side (rows)]
+            # rank-4 tokens as fp16 mma pairs, [u side (columns), q side (rows)]: the old ones (staged while the
+            # previous program is still being flushed) and the new ones (the residual's)
+            tok_old_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)
+            tok_new_s = T.alloc_shared((GROUPS, 2, TOKEN_PAIRS, V), U32)
             red_s = T.alloc_shared((GROUPS, TILES_PER_SIDE * V, R), F32)
             flat_s = T.view(red_s, (GROUPS, TILES_PER_SIDE * V * R), F32)
             pv_s = T.alloc_shared((GROUPS, K, P_SPLIT_STRIDE), F32)
@@ -880,12 +918,15 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             tr = wr * ROW_STEP + grp                # reduction plane of its column partials (one per row set)
             tc = wc * QUADS + quad                  # reduction plane of its row partials (one per column octet)
             bar = FIRST_GROUP_BARRIER + g
+            stage_bar = FIRST_STAGE_BARRIER + g
+            st = t - V                              # index of a staging thread (t >= V)
 
             q0_s[0, tx // R, tx % R] = q0[tx // R, tx % R]
             if t < V:                               # the token pairs past rank 4 are the mma's zero padding
                 for side in T.unroll(2):
                     for pr in T.unroll(R // 2, TOKEN_PAIRS):
-                        tokw_s[g, side, pr, t] = T.uint32(0)
+                        tok_old_s[g, side, pr, t] = T.uint32(0)
+                        tok_new_s[g, side, pr, t] = T.uint32(0)
             total[0] = 0
             for rnd in T.serial(T.ceildiv(N * H, G * LIST_CAP)):
                 if (rnd == 0) | (rnd * G * LIST_CAP < total[0]):
@@ -895,39 +936,74 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                     in_round = T.min(ranked[0] - rank_lo, G * LIST_CAP)
                     mine = T.max(T.ceildiv(in_round - bid, G), 0)
                     n_mine = T.ceildiv(mine - g, GROUPS)     # this group's programs: dlist[g + GROUPS * it]
-                    if n_mine > 0:
-                        ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, dlist[g] // H, dlist[g] % H, t, g,
-                                            pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
+                    if n_mine > 0:                  # the round's first program: fetched and staged by the group
+                        first = dlist[g]
+                        ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, first // H, first % H, t,
+                                            GROUP_THREADS, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
+                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
+                        T.sync_threads(bar, GROUP_THREADS)      # every thread's copies landed
+                        ph.stage_program(w, pcum, gbuf, p, first // H, first % H, t, g, pf_ckf, pf_ckh, pf_kb,
+                                         pf_ub, pf_gb, pf_w, pf_pc, kw_s, ubw_s, tok_old_s, sko_s, svo_s, gate_s)
                     for it in T.serial(n_mine):
                         prog = dlist[g + GROUPS * it]
                         slot = prog // H
                         head = prog % H
                         base = region_word(slot, head, H)
-                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
-                        T.sync_threads(bar, GROUP_THREADS)      # every thread's copies of this program landed
-                        ph.stage_program(w, pcum, gbuf, p, slot, head, t, g, rbase, col0, cw, pf_ck, pf_ckf, pf_ckh,
-                                         pf_kb, pf_ub, pf_gb, pf_w, pf_pc, kw_s, ubw_s, tokw_s, sko_s, svo_s, gate_s,
-                                         bar)
-                        if it + 1 < n_mine:                     # the buffers are read: fetch the next program
-                            nxt = dlist[g + GROUPS * (it + 1)]
-                            ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, nxt // H, nxt % H, t, g, pf_ck,
-                                                pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
-                        ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tokw_s,
+                        more = it + 1 < n_mine
+                        nxt = dlist[g + GROUPS * T.min(it + 1, n_mine - 1)]
+                        # the program's codes into registers; then the buffers are free for the next program's
+                        # copies, issued by the staging warps, which stage it while this one is orthonormalised
+                        ph.load_codes(cw, g, rbase, col0, pf_ck)
+                        T.sync_threads(bar, GROUP_THREADS)
+                        if more & (t >= V):
+                            ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, nxt // H, nxt % H, st,
+                                                STAGE_THREADS, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
+                        ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tok_old_s,
                                          sko_s, svo_s, gate_s)
-                        # P = orth(S^T q0)
+                        # P = orth(S^T q0): CholeskyQR on warps 0-3 (one row per thread); meanwhile the staging
+                        # warps 4-7 stage the next program (its copies were issued before the rebuild)
                         ph.project_columns(S, q0_s, 0, g, wr, lane, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, pv_s, x4, g, t, lane, bar, P_CHOLQR_PASSES, ROW_BANDS,
-                                          TILE_BITS, True)
-                        # Q = orth(S P)
+                        T.sync_threads(bar, GROUP_THREADS)
+                        if t < V:
+                            ph.sum_partials(red_s, g, t, x4, ROW_BANDS, TILE_BITS)
+                            ph.gram_partials(x4, gram_s, g, t, lane, 0)
+                        elif more:
+                            T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
+                            T.sync_threads(stage_bar, STAGE_THREADS)    # every staging thread's copies landed
+                            ph.stage_window_half(st, 1, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
+                        T.sync_threads(bar, GROUP_THREADS)
+                        if t < V:
+                            ph.cholesky_apply(x4, gram_s, g, 0)
+                            store_basis(pv_s, x4, g, t, True)
+                        elif more:
+                            ph.stage_window_half(st, 0, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
+                        T.sync_threads(bar, GROUP_THREADS)
+                        # Q = orth(S P): CholeskyQR2, the staging warps finish the next program's staging
                         ph.project_rows(S, pv_s, g, wc, grp, quad, rbase, col0, red_s)
-                        orthonormal_basis(red_s, gram_s, qv_s, x4, g, t, lane, bar, CHOLQR_PASSES, COL_BANDS,
-                                          ROWS_MMA, False)
+                        T.sync_threads(bar, GROUP_THREADS)
+                        if t < V:
+                            ph.sum_partials(red_s, g, t, x4, COL_BANDS, ROWS_MMA)
+                            ph.gram_partials(x4, gram_s, g, t, lane, 0)
+                        elif more:
+                            ph.stage_column(st, g, pf_ckf, pf_ckh, pf_pc, sko_s, gate_s, tok_old_s)
+                            ph.stage_row(st, g, pf_ckf, pf_ckh, svo_s, tok_old_s)
+                        T.sync_threads(bar, GROUP_THREADS)
+                        if t < V:
+                            ph.cholesky_apply(x4, gram_s, g, 0)
+                            ph.gram_partials(x4, gram_s, g, t, lane, 1)
+                        elif more:
+                            ph.reset_window(w, pcum, gbuf, p, nxt // H, nxt % H, st, STAGE_THREADS)
+                        T.sync_threads(bar, GROUP_THREADS)
+                        if t < V:
+                            ph.cholesky_apply(x4, gram_s, g, 1)
+                            store_basis(qv_s, x4, g, t, False)
+                        T.sync_threads(bar, GROUP_THREADS)
                         # U = S^T Q, the fp16 tokens
                         ph.project_columns(S, qv_s, g, g, wr, lane, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.emit_tokens(rawh, base, t, g, red_s, qv_s, tokw_s)
+                        ph.emit_tokens(rawh, base, t, g, red_s, qv_s, tok_new_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        ph.residual(S, tokw_s, g, grp, quad, band_r, band_c)
+                        ph.residual(S, tok_new_s, g, grp, quad, band_r, band_c)
                         ph.column_scales(S, rawf, base, t, g, tr, col0, flat_s, skn_s, bar)
                         ph.row_scales(S, rawf, base, t, g, tc, rbase, flat_s, rsv_s, bar)
                         ph.store_codes(S, raw32, base, g, rbase, col0, rsv_s)
