@@ -290,6 +290,7 @@ class Phases:
     stage_program: object = None
     load_codes: object = None
     stage_window_half: object = None
+    stage_window_part: object = None
     stage_column: object = None
     stage_row: object = None
     reset_window: object = None
@@ -430,31 +431,38 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 cw[i * TILE_WORDS + c] = pf_ck[g, code_chunk(row, chunk) * VEC4 + half * TILE_WORDS + c]
 
     @T.macro
+    def stage_window_part(c, lo, n, decay, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s):
+        """Window entries [lo, lo + n) (lo, n even) of column and row ``c``, newest first: the keys w_j kbuf_j D_j
+        split into three bf16 parts and the values as bf16 pairs, to shared memory as the mma operands. ``decay[0]``
+        carries the chain D_j = prod_{i > j} gbuf[i] (KDA): D_{lo + n - 1} on entry, D_{lo - 1} on exit, so parts
+        staged newest first multiply the same gates in the same order as one chain from the last entry back (the
+        keys do not depend on how the window is shared out)."""
+        key = T.alloc_local((n,), F32)
+        for jj in T.unroll(n):
+            j = lo + n - 1 - jj
+            key[n - 1 - jj] = T.cast(pf_kb[g, j, c], F32) * pf_w[g, j]
+            if KDA:
+                key[n - 1 - jj] = key[n - 1 - jj] * decay[0]
+                decay[0] = decay[0] * T.cast(pf_gb[g, j, c], F32)
+        for pp in T.unroll(n // 2):
+            pg = lo // 2 + pp                       # the pair's index in the window
+            for part in T.unroll(KEY_PARTS):
+                kw_s[g, part, pg, col_word(pg % QUADS, c)] = T.call_extern(U32, "lq_key_part", key[2 * pp],
+                                                                           key[2 * pp + 1], part)
+            ubw_s[g, pg, row_word(pg % QUADS, c)] = T.call_extern(
+                U32, "lq_pack_bf16x2", T.cast(pf_ub[g, 2 * pg, c], F32), T.cast(pf_ub[g, 2 * pg + 1, c], F32))
+
+    @T.macro
     def stage_window_half(c, h, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s):
-        """Window half ``h`` (entries [HALF_L h, HALF_L (h + 1))) of column and row ``c``: its keys w_j kbuf_j D_j
-        split into three bf16 parts and its values as bf16 pairs, to shared memory as the mma operands. The older
-        half (h = 0) starts its decay chain from the newer half's gate product: the same products in the same order
-        as one chain from the last entry back, so the keys do not depend on how the halves are shared out."""
-        key = T.alloc_local((HALF_L,), F32)
-        decay = T.alloc_local((1,), F32)            # D_j = prod_{i > j} gbuf[i], built from the last entry back
+        """Window half ``h`` (entries [HALF_L h, HALF_L (h + 1))) of column and row ``c`` (stage_window_part); the
+        older half starts its decay chain from the newer half's gate product."""
+        decay = T.alloc_local((1,), F32)
         decay[0] = 1.0
         if KDA:
             if h == 0:
                 for jj in T.unroll(HALF_L):
                     decay[0] = decay[0] * T.cast(pf_gb[g, L - 1 - jj, c], F32)
-        for jj in T.unroll(HALF_L):
-            j = HALF_L * h + HALF_L - 1 - jj
-            key[HALF_L - 1 - jj] = T.cast(pf_kb[g, j, c], F32) * pf_w[g, j]
-            if KDA:
-                key[HALF_L - 1 - jj] = key[HALF_L - 1 - jj] * decay[0]
-                decay[0] = decay[0] * T.cast(pf_gb[g, j, c], F32)
-        for pp in T.unroll(HALF_L // 2):
-            pg = (HALF_L // 2) * h + pp             # the pair's index in the window (pg % QUADS == pp)
-            for part in T.unroll(KEY_PARTS):
-                kw_s[g, part, pg, col_word(pp, c)] = T.call_extern(U32, "lq_key_part", key[2 * pp], key[2 * pp + 1],
-                                                                   part)
-            ubw_s[g, pg, row_word(pp, c)] = T.call_extern(U32, "lq_pack_bf16x2", T.cast(pf_ub[g, 2 * pg, c], F32),
-                                                          T.cast(pf_ub[g, 2 * pg + 1, c], F32))
+        stage_window_part(c, HALF_L * h, HALF_L, decay, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
 
     @T.macro
     def stage_column(c, g, pf_ckf, pf_ckh, pf_pc, sko_s, gate_s, tok_s):
@@ -823,7 +831,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
     return Phases(find_due_programs=find_due_programs, prefetch_program=prefetch_program, stage_program=stage_program,
-                  load_codes=load_codes, stage_window_half=stage_window_half, stage_column=stage_column,
+                  load_codes=load_codes, stage_window_half=stage_window_half, stage_window_part=stage_window_part,
+                  stage_column=stage_column,
                   stage_row=stage_row, reset_window=reset_window, rebuild_state=rebuild_state,
                   project_columns=project_columns, project_rows=project_rows, sum_partials=sum_partials,
                   gram_partials=gram_partials, cholesky_apply=cholesky_apply, emit_tokens=emit_tokens,
@@ -960,8 +969,11 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                                                 STAGE_THREADS, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
                         ph.rebuild_state(S, cw, rbase, col0, g, grp, quad, band_r, band_c, kw_s, ubw_s, tok_old_s,
                                          sko_s, svo_s, gate_s)
-                        # P = orth(S^T q0): CholeskyQR on warps 0-3 (one row per thread); meanwhile the staging
-                        # warps 4-7 stage the next program (its copies were issued before the rebuild)
+                        # P = orth(S^T q0), Q = orth(S P): CholeskyQR on warps 0-3 (one row per thread) in five
+                        # windows between group barriers; meanwhile warps 4-7 stage the next program (its copies were
+                        # issued before the rebuild): the cheap pieces in the first window (the copies may still be
+                        # landing), the keys' halves in the next two, the window's reset in the last (this placement
+                        # measured fastest of seven: bench/results/h200_*_tilelang-ab-v26*.txt, *-v27*.txt)
                         ph.project_columns(S, q0_s, 0, g, wr, lane, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
@@ -970,33 +982,32 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         elif more:
                             T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
                             T.sync_threads(stage_bar, STAGE_THREADS)    # every staging thread's copies landed
-                            ph.stage_window_half(st, 1, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
+                            ph.stage_column(st, g, pf_ckf, pf_ckh, pf_pc, sko_s, gate_s, tok_old_s)
+                            ph.stage_row(st, g, pf_ckf, pf_ckh, svo_s, tok_old_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
                             ph.cholesky_apply(x4, gram_s, g, 0)
                             store_basis(pv_s, x4, g, t, True)
                         elif more:
-                            ph.stage_window_half(st, 0, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
+                            ph.stage_window_half(st, 1, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
                         T.sync_threads(bar, GROUP_THREADS)
-                        # Q = orth(S P): CholeskyQR2, the staging warps finish the next program's staging
                         ph.project_rows(S, pv_s, g, wc, grp, quad, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
                             ph.sum_partials(red_s, g, t, x4, COL_BANDS, ROWS_MMA)
                             ph.gram_partials(x4, gram_s, g, t, lane, 0)
                         elif more:
-                            ph.stage_column(st, g, pf_ckf, pf_ckh, pf_pc, sko_s, gate_s, tok_old_s)
-                            ph.stage_row(st, g, pf_ckf, pf_ckh, svo_s, tok_old_s)
+                            ph.stage_window_half(st, 0, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
                             ph.cholesky_apply(x4, gram_s, g, 0)
                             ph.gram_partials(x4, gram_s, g, t, lane, 1)
-                        elif more:
-                            ph.reset_window(w, pcum, gbuf, p, nxt // H, nxt % H, st, STAGE_THREADS)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
                             ph.cholesky_apply(x4, gram_s, g, 1)
                             store_basis(qv_s, x4, g, t, False)
+                        elif more:
+                            ph.reset_window(w, pcum, gbuf, p, nxt // H, nxt % H, st, STAGE_THREADS)
                         T.sync_threads(bar, GROUP_THREADS)
                         # U = S^T Q, the fp16 tokens
                         ph.project_columns(S, qv_s, g, g, wr, lane, rbase, col0, red_s)
