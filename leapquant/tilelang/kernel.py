@@ -3,13 +3,17 @@
 One persistent CTA per SM. Every CTA first ranks the due programs of the call (``find_due_programs``: every CTA sees
 the same ranking, keeps the ranks congruent to its block index modulo the grid size, so due programs are spread
 evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` independent consumer groups of
-:data:`GROUP_THREADS` threads; each group flushes one program at a time, synchronising on its own named barrier:
+:data:`GROUP_THREADS` threads; each group flushes one program at a time, synchronising on its own named barrier.
+While warps 0-3 of a group orthonormalise (warps 4-7 would only wait at its barriers), warps 4-7 copy and stage the
+group's next program, so that its staging is off the critical path (the round's first program is staged by the
+whole group before its flush):
 
-    prefetch_program    the group's next program's checkpoint, window and gate copied into shared memory
-                        (cp.async) while the current one is flushed, so the DRAM traffic overlaps the compute
-    stage_program       from those buffers: old codes into registers; scales and gate into shared memory (fp32);
-                        tokens, window values and keys (w_j kbuf_j D_j, split into three bf16 parts) into shared
-                        memory as mma operands; the window is reset as soon as it is read
+    prefetch_program    a program's checkpoint, window and gate copied into shared memory (cp.async), issued as
+                        soon as the previous program's codes are read, so the DRAM traffic overlaps the compute
+    load_codes          the old codes from those buffers into registers, at the start of the program's flush
+    stage_program       (pieces: stage_column, stage_row, stage_window_half / _part, reset_window) from the buffers:
+                        scales and gate into shared memory (fp32); tokens, window values and keys (w_j kbuf_j D_j,
+                        split into three bf16 parts) into shared memory as mma operands; the window reset in the pool
     rebuild_state       S = (codes s_k s_v / 127 + q^T u) * gate + sum_j ubuf_j (w_j kbuf_j D_j): the dequantisation
                         on the CUDA cores, both rank updates on the tensor cores (mma.sync with exact operands:
                         fp16 tokens, bf16 window values x the keys' bf16 hi + mid + lo, fp32 accumulation); S is an
@@ -19,9 +23,10 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
     project_rows        S x  (V x R) for x = P on the tensor cores: the state tile is the A operand of mma.m16n8k8
                         as it stands (tf32, split into big + small parts; P's parts are B's 8 columns), one plane
                         per column band
-    orthonormalise      CholeskyQR (two passes for Q, one for P) with a relative pivot floor: per pass one group-wide
-                        reduction of the 4 x 4 Gram matrix, its Cholesky factor in every thread's registers, each
-                        thread's row times L^-T
+    gram_partials,      CholeskyQR (two passes for Q, one for P) with a relative pivot floor on warps 0-3 (one row
+    cholesky_apply      per thread): per pass the 4 x 4 Gram matrix reduced over the four warps, its Cholesky factor
+                        in every thread's registers, each thread's row times L^-T; a group barrier between the two
+                        halves of a pass and around them (five windows in which warps 4-7 stage)
     emit_tokens         u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool, and as the residual's mma operands
     residual            E = S - q^T u on the tensor cores (exact fp16 products: no fp16 intermediate of the state)
     column_scales       s_k = max(sqrt(mean_v |E|), EPS)
@@ -30,10 +35,10 @@ evenly however they cluster in the pool). The CTA then runs :data:`GROUPS` indep
 
 Every value of the state and every sum is fp32; the tensor cores see operands that are exact in their input type
 (the rank updates) or fp32 values split into two tf32 parts (S P: ~21 of 24 significant bits), so the kernel
-computes the reference's arithmetic up to the order of the sums and, in S P, ~2^-20 relative per product term. The phases are TileLang macros;
-:func:`flush_phases` returns them so that a profiling build (bench/tilelang_dev.py) can replace one by a variant
-without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, cp.async, packing) is in
-:data:`PRELUDE`.
+computes the reference's arithmetic up to the order of the sums and, in S P, ~2^-20 relative per product term. The
+phases are TileLang macros; :func:`flush_phases` returns them so that a profiling build (bench/tilelang_dev.py) can
+replace one by a variant without a switch in the shipped kernel. PTX that TileLang does not spell (mma.sync, cp.async,
+packing) is in :data:`PRELUDE`.
 """
 
 
