@@ -264,8 +264,9 @@ P_SPLIT_STRIDE = P_SPLIT_COLS + 1
 #: and four 4-byte stores, 4-way conflicted. Row maxima: the four quads write consecutive planes, 8 floats of padding
 #: put them 8 banks apart, beside the 8 rows of a quad)
 COL_PLANE = K + 1
-#: the ``shift`` argument of sum_partials that names S P's partial layout (rows_plane_row) instead of plane_row's
-ROWS_MMA = -1
+#: the two layouts of the products' reduction planes (sum_partials' ``layout``): S^T x's (column_plane_row) and
+#: S x's (row_plane_row)
+COLUMN_PARTIALS, ROW_PARTIALS = "columns", "rows"
 ROW_PLANE = V + TILE
 assert TILES_PER_SIDE * max(COL_PLANE, ROW_PLANE) <= TILES_PER_SIDE * V * R   # the planes live in the products' buffer
 
@@ -592,13 +593,12 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                                              a[4 * mt + 3], bfr[0], bfr[1]))
 
     # ---- products -------------------------------------------------------------------------------------------------
-    def plane_row(pl, o, shift):
-        """Index of output row ``o`` in reduction plane ``pl``: row o's low 3 bits advanced by twice the 2-bit field
-        of o at ``shift`` (the quad of a column writer, o >> 3; of a row writer, o >> 4), so that the 8 lanes of a
-        quarter-warp of writers (grp = 2m, 2m + 1 x four quads) store to 8 different bank quads; 8 consecutive rows
-        (the readers) stay a permutation of one aligned group."""
+    def column_plane_row(pl, o):
+        """Index of output row ``o`` of S^T x in reduction plane ``pl``: row o's low 3 bits advanced by twice its
+        writer's quad (o >> 3), so that the 8 lanes of a quarter-warp of writers (grp = 2m, 2m + 1 x four quads) store
+        to 8 different bank quads; 8 consecutive rows (the readers) stay a permutation of one aligned group."""
         low = TILE - 1
-        return pl * V + (o & ~low) + ((o + 2 * ((o >> shift) & (QUADS - 1))) & low)
+        return pl * V + (o & ~low) + ((o + 2 * ((o >> TILE_BITS) & (QUADS - 1))) & low)
 
     @T.macro
     def scatter_sum(acc, red, lane, n, bit):
@@ -629,17 +629,17 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         scatter_sum(red, red, lane, TILE * R // 2, 3)
         scatter_sum(red, red, lane, TILE * R // 4, 2)
         for r in T.vectorized(R):
-            red_s[g, plane_row(wr, col0 + lane // QUADS, TILE_BITS), r] = red[r]
+            red_s[g, column_plane_row(wr, col0 + lane // QUADS), r] = red[r]
 
-    def rows_plane_row(pl, o):
+    def row_plane_row(pl, o):
         """Index of row ``o`` in reduction plane ``pl`` of S P's partials: bit 2 flipped in the odd 8-row halves of a
         16-row mma tile, so that a half-warp's 8-byte stores (rows grp + 8 h, grp < 4, two column pairs) hit 32
         different banks; the readers' 8 consecutive rows stay one aligned group."""
         return pl * V + (o ^ (((o >> TILE_BITS) & 1) << 2))
 
-    def partial_row(pl, o, shift):
-        """Row ``o`` of plane ``pl`` as its writers laid it out: ``shift`` as in plane_row, or ROWS_MMA (S P)."""
-        return rows_plane_row(pl, o) if shift == ROWS_MMA else plane_row(pl, o, shift)
+    def partial_row(pl, o, layout):
+        """Row ``o`` of plane ``pl`` as its writers laid it out (``layout``: COLUMN_PARTIALS or ROW_PARTIALS)."""
+        return row_plane_row(pl, o) if layout == ROW_PARTIALS else column_plane_row(pl, o)
 
     @T.macro
     def project_rows(S, x_s, g, wc, grp, quad, rbase, col0, red_s):
@@ -670,18 +670,17 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 give = T.if_then_else(hk == 1, acc[4 * mt + e], acc[4 * mt + 2 + e])
                 red[e] = keep + T.shfl_xor(give, 2)
             for e in T.vectorized(2):
-                red_s[g, rows_plane_row(wc, rbase + MMA_M * mt + ROW_STEP * hk), 2 * (quad % 2) + e] = red[e]
+                red_s[g, row_plane_row(wc, rbase + MMA_M * mt + ROW_STEP * hk), 2 * (quad % 2) + e] = red[e]
 
     @T.macro
-    def sum_partials(red_s, g, o, out4, planes, shift):
-        """out4 = sum over the ``planes`` reduction planes of output row ``o`` (``shift``: the writers' plane_row;
-        ROWS_MMA: S P's mma layout)."""
+    def sum_partials(red_s, g, o, out4, planes, layout):
+        """out4 = sum over the ``planes`` reduction planes of output row ``o`` (``layout``: the writers')."""
         part = T.alloc_local((R,), F32)
         for r in T.unroll(R):
             out4[r] = 0.0
         for pl in T.unroll(planes):
             for r in T.vectorized(R):
-                part[r] = red_s[g, partial_row(pl, o, shift), r]
+                part[r] = red_s[g, partial_row(pl, o, layout), r]
             for r in T.unroll(R):
                 out4[r] = out4[r] + part[r]
 
@@ -751,7 +750,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         tok = T.alloc_local((R,), F32)
         if t < K:
             U4 = T.alloc_local((R,), F32)
-            sum_partials(red_s, g, t, U4, ROW_BANDS, TILE_BITS)
+            sum_partials(red_s, g, t, U4, ROW_BANDS, COLUMN_PARTIALS)
             for r in T.unroll(R):
                 uh = T.cast(T.min(T.max(U4[r], -FP16_MAX), FP16_MAX), F16)
                 rawh[base * HALVES_PER_WORD + TOK_HALF + r * TOK_ROW + t] = uh
@@ -982,7 +981,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         ph.project_columns(S, q0_s, 0, g, wr, lane, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
-                            ph.sum_partials(red_s, g, t, x4, ROW_BANDS, TILE_BITS)
+                            ph.sum_partials(red_s, g, t, x4, ROW_BANDS, COLUMN_PARTIALS)
                             ph.gram_partials(x4, gram_s, g, t, lane, 0)
                         elif more:
                             T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
@@ -999,7 +998,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         ph.project_rows(S, pv_s, g, wc, grp, quad, rbase, col0, red_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         if t < V:
-                            ph.sum_partials(red_s, g, t, x4, COL_BANDS, ROWS_MMA)
+                            ph.sum_partials(red_s, g, t, x4, COL_BANDS, ROW_PARTIALS)
                             ph.gram_partials(x4, gram_s, g, t, lane, 0)
                         elif more:
                             ph.stage_window_half(st, 0, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
