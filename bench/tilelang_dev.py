@@ -203,9 +203,41 @@ def load_kernel_module(path, package="leapquant.tilelang"):
     return mod
 
 
+def _verify_variant(mod, path, gates) -> bool:
+    """Judge a kernel generator from a file by the SPEC criterion before it is timed: its kernel, in place of the
+    shipped one, flushes every family (8 rows x 32 heads, both gates) through the public API."""
+    import leapquant.tilelang as lt
+    from leapquant import criterion, families
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    ok = True
+    for gate in gates:
+        cfg = lt.FlushConfig(32, gate, lt.ARCHS[(props.major, props.minor)], props.multi_processor_count)
+        saved = lt._KERNELS.get(cfg)
+        lt._KERNELS[cfg] = mod.compile_flush(mod.FlushConfig(32, gate, cfg.arch, cfg.num_sms))
+        try:
+            case = families.make_case(8, 32, gate, seed=5).to(dev)
+            S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"],
+                                      case.tensors["w"], **case.gate_kwargs())
+            v = criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels,
+                                name=f"{os.path.basename(path)} {gate}")
+        finally:
+            if saved is None:
+                lt._KERNELS.pop(cfg)
+            else:
+                lt._KERNELS[cfg] = saved
+        ok &= v.passed
+        print(f"verify {os.path.basename(path)} {gate}: {'PASS' if v.passed else 'FAIL'} worst score "
+              f"{v.worst_score:.4f} :: {v.message}", flush=True)
+    return ok
+
+
 def cmd_ab(args) -> int:
     """Time kernel generators from files (A/B of kernel versions in one run, same pool and method)."""
     rows = []
+    if args.verify:
+        for path in dict.fromkeys(args.kernels):
+            _verify_variant(load_kernel_module(path), path, args.verify)
     for due in args.due:
         cfg, args.nsets, args.call = _timing_pool(args.batch, args.gate, due)
         kernels = []
@@ -248,6 +280,7 @@ def main() -> int:
     ab.add_argument("--gate", default="kda")
     ab.add_argument("--due", nargs="+", default=["all", "sixteenth"])
     ab.add_argument("--repeats", type=int, default=50)
+    ab.add_argument("--verify", nargs="*", default=[], help="gates to judge each kernel on first (SPEC criterion)")
     args = ap.parse_args()
     if args.cmd == "precompile":
         cmd_precompile(args)
