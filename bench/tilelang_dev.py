@@ -113,11 +113,7 @@ def cmd_check(args) -> int:
         hard += [(f"heads={heads} {gate} 32 rows", families.make_case(32, heads, gate, seed=heads))
                  for heads in (16, 8)]
         for name, case in hard:
-            case = case.to(dev)
-            S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"],
-                                      case.tensors["w"], **case.gate_kwargs())
-            v = criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels,
-                                name=f"tilelang {name}")
+            v = _judge_case(case.to(dev), f"tilelang {name}")
             failed += not v.passed
             lines.append(f"{name}: worst score {v.worst_score:.4f} :: {v.message}")
             print(lines[-1], flush=True)
@@ -203,11 +199,19 @@ def load_kernel_module(path, package="leapquant.tilelang"):
     return mod
 
 
+def _judge_case(case, name):
+    """The TileLang backend's flush of ``case`` (on the GPU) judged by the SPEC criterion."""
+    from leapquant import criterion
+    S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"], case.tensors["w"],
+                              **case.gate_kwargs())
+    return criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels, name=name)
+
+
 def _verify_variant(mod, path, gates) -> bool:
     """Judge a kernel generator from a file by the SPEC criterion before it is timed: its kernel, in place of the
     shipped one, flushes every family (8 rows x 32 heads, both gates) through the public API."""
     import leapquant.tilelang as lt
-    from leapquant import criterion, families
+    from leapquant import families
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     ok = True
@@ -216,11 +220,7 @@ def _verify_variant(mod, path, gates) -> bool:
         saved = lt._KERNELS.get(cfg)
         lt._KERNELS[cfg] = mod.compile_flush(mod.FlushConfig(32, gate, cfg.arch, cfg.num_sms))
         try:
-            case = families.make_case(8, 32, gate, seed=5).to(dev)
-            S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"],
-                                      case.tensors["w"], **case.gate_kwargs())
-            v = criterion.judge(S, case.run(backend="tilelang"), case.reference(), labels=case.labels,
-                                name=f"{os.path.basename(path)} {gate}")
+            v = _judge_case(families.make_case(8, 32, gate, seed=5).to(dev), f"{os.path.basename(path)} {gate}")
         finally:
             if saved is None:
                 lt._KERNELS.pop(cfg)
@@ -235,9 +235,9 @@ def _verify_variant(mod, path, gates) -> bool:
 def cmd_ab(args) -> int:
     """Time kernel generators from files (A/B of kernel versions in one run, same pool and method)."""
     rows = []
-    if args.verify:
-        for path in dict.fromkeys(args.kernels):
-            _verify_variant(load_kernel_module(path), path, args.verify)
+    if args.verify:                             # a kernel that fails the criterion is not timed
+        failed = [p for p in dict.fromkeys(args.kernels) if not _verify_variant(load_kernel_module(p), p, args.verify)]
+        args.kernels = [p for p in args.kernels if p not in failed]
     for due in args.due:
         cfg, args.nsets, args.call = _timing_pool(args.batch, args.gate, due)
         kernels = []
