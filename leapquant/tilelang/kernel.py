@@ -68,10 +68,10 @@ QUADS = 4                               # lanes sharing an mma row (threadID_in_
 ROW_STEP = MMA_M // 2                   # 8: a thread's rows are grp + 8 i
 M_TILES = BAND_ROWS // MMA_M            # 4 mma tiles down a warp's rows
 N_TILES = TILE // 2                     # 4 mma n-tiles per thread column octet (two columns each)
-#: bf16 parts of an fp32 window key: hi + mid + lo carries 24 significant bits (3 x 8), the whole fp32 mantissa, so
-#: the window update on bf16 tensor cores (ubuf is bf16 already; bf16 x bf16 products are exact in fp32) is fp32-exact
-#: up to the accumulation order
-KEY_PARTS = 3
+#: bf16 parts of an fp32 window key: hi (the top 8 significant bits, truncated) + lo (the remainder rounded to bf16)
+#: carries the key to 2^-16 relative (ubuf is bf16 already; bf16 x bf16 products are exact in fp32). A CPU emulation of
+#: the reference with keys so rounded passes the criterion on every family (worst 0.992 of the bound, 0.991 exact)
+KEY_PARTS = 2
 HALF_L = L // 2                         # window entries per staging thread (two threads per column and row)
 PAIRS = L // 2                          # bf16/fp16 pairs along the window (k of the mma): one 32-bit word each
 TOKEN_PAIRS = 4                         # rank-4 tokens as the k = 8 operand of mma.m16n8k8: pairs 2, 3 stay zero
@@ -152,15 +152,12 @@ __device__ __forceinline__ unsigned lq_pack_f16x2(float lo, float hi) {
   unsigned d; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo)); return d;
 }
 __device__ __forceinline__ float lq_bf16_trunc(float x) { return __uint_as_float(__float_as_uint(x) & 0xffff0000u); }
-// part 0, 1, 2 of the exact split x = hi + mid + lo into bf16 values, two keys packed. Truncation keeps the top 8
-// significant bits; each difference is exact in fp32 and has at most 16, then 8 significant bits left
+// part 0 or 1 of the split x = hi + lo into bf16 values, two keys packed: hi truncates to the top 8 significant bits,
+// lo is the remainder (exact in fp32) rounded to bf16
 __device__ __forceinline__ unsigned lq_key_part(float k0, float k1, int part) {
   float h0 = lq_bf16_trunc(k0), h1 = lq_bf16_trunc(k1);
-  float r0 = k0 - h0, r1 = k1 - h1;
-  float m0 = lq_bf16_trunc(r0), m1 = lq_bf16_trunc(r1);
-  float a = part == 0 ? h0 : (part == 1 ? m0 : r0 - m0);
-  float b = part == 0 ? h1 : (part == 1 ? m1 : r1 - m1);
-  return __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x7632);
+  if (part == 0) return __byte_perm(__float_as_uint(h0), __float_as_uint(h1), 0x7632);
+  return lq_pack_bf16x2(k0 - h0, k1 - h1);
 }
 // byte b (0..3) of a word of int8 codes whose sign bits were flipped (code + 128, unsigned), as a float: the byte
 // becomes the low mantissa byte of 2^23 (PRMT), and subtracting 2^23 + 128 is exact. Two full-rate instructions
@@ -188,6 +185,7 @@ __device__ __forceinline__ void lq_cp4(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void lq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void lq_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void lq_cp_wait_but_last() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 __device__ __forceinline__ void lq_mma_bf16(float* c0, float* c1, float* c2, float* c3, unsigned a0, unsigned a1,
                                             unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -292,6 +290,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
 class Phases:
     """The kernel's named units (TileLang macros), composed by :func:`make_flush_func`."""
     find_due_programs: object = None
+    prefetch_first: object = None
     prefetch_program: object = None
     stage_program: object = None
     load_codes: object = None
@@ -423,6 +422,45 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         else:
             if t == 0:
                 T.evaluate(T.call_extern("handle", "lq_cp4", T.address_of(pf_pc[g, 0]), T.address_of(p[slot, head])))
+        T.evaluate(T.call_extern("handle", "lq_cp_commit"))
+
+    @T.macro
+    def prefetch_first(raw32, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc):
+        """The round's first program, by the whole group, in two commit groups: first what the staging reads (window,
+        gate, the checkpoint's scales and tokens), then the codes (16 of the 32 KB), so that the staging can start
+        while the codes are still landing (lq_cp_wait_but_last): when the round starts, every group of every SM
+        requests its program at once and the codes arrive last."""
+        base = region_word(slot, head, H)
+        for k in T.unroll(T.ceildiv(CK_CHUNKS - CODE_CHUNKS, GROUP_THREADS)):
+            e = CODE_CHUNKS + k * GROUP_THREADS + t
+            if e < CK_CHUNKS:
+                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, e * VEC4]),
+                                         T.address_of(raw32[base + e * VEC4])))
+        for k in T.unroll(WINDOW_CHUNKS // GROUP_THREADS):
+            h0 = (k * GROUP_THREADS + t) * CHUNK_HALVES
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, h0 // K, h0 % K]),
+                                     T.address_of(kbuf[slot, head, h0 // K, h0 % K])))
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ub[g, h0 // V, h0 % V]),
+                                     T.address_of(ubuf[slot, head, h0 // V, h0 % V])))
+            if KDA:
+                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_gb[g, h0 // K, h0 % K]),
+                                         T.address_of(gbuf[slot, head, h0 // K, h0 % K])))
+        if t < L // VEC4:
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_w[g, t * VEC4]),
+                                     T.address_of(w[slot, head, t * VEC4])))
+        if KDA:
+            if t < K // VEC4:
+                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_pc[g, t * VEC4]),
+                                         T.address_of(pcum[slot, head, t * VEC4])))
+        else:
+            if t == 0:
+                T.evaluate(T.call_extern("handle", "lq_cp4", T.address_of(pf_pc[g, 0]), T.address_of(p[slot, head])))
+        T.evaluate(T.call_extern("handle", "lq_cp_commit"))
+        for k in T.unroll(CODE_CHUNKS // GROUP_THREADS):
+            e = k * GROUP_THREADS + t
+            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, code_chunk(e // ROW_CHUNKS,
+                                                                                           e % ROW_CHUNKS) * VEC4]),
+                                     T.address_of(raw32[base + e * VEC4])))
         T.evaluate(T.call_extern("handle", "lq_cp_commit"))
 
     @T.macro
@@ -834,7 +872,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             for c in T.vectorized(TILE_WORDS):
                 raw32[base + row * CODE_WORDS_PER_ROW + col0 // CODES_PER_WORD + c] = packed[c]
 
-    return Phases(find_due_programs=find_due_programs, prefetch_program=prefetch_program, stage_program=stage_program,
+    return Phases(find_due_programs=find_due_programs, prefetch_first=prefetch_first, prefetch_program=prefetch_program,
+                  stage_program=stage_program,
                   load_codes=load_codes, stage_window_half=stage_window_half, stage_window_part=stage_window_part,
                   stage_column=stage_column,
                   stage_row=stage_row, reset_window=reset_window, rebuild_state=rebuild_state,
@@ -951,12 +990,14 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                     n_mine = T.ceildiv(mine - g, GROUPS)     # this group's programs: dlist[g + GROUPS * it]
                     if n_mine > 0:                  # the round's first program: fetched and staged by the group
                         first = dlist[g]
-                        ph.prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, first // H, first % H, t,
-                                            GROUP_THREADS, g, pf_ck, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
-                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
-                        T.sync_threads(bar, GROUP_THREADS)      # every thread's copies landed
+                        ph.prefetch_first(raw32, kbuf, ubuf, w, pcum, gbuf, p, first // H, first % H, t, g, pf_ck,
+                                          pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
+                        T.evaluate(T.call_extern("handle", "lq_cp_wait_but_last"))
+                        T.sync_threads(bar, GROUP_THREADS)      # every thread's staging inputs landed
                         ph.stage_program(w, pcum, gbuf, p, first // H, first % H, t, g, pf_ckf, pf_ckh, pf_kb,
                                          pf_ub, pf_gb, pf_w, pf_pc, kw_s, ubw_s, tok_old_s, sko_s, svo_s, gate_s)
+                        T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
+                        T.sync_threads(bar, GROUP_THREADS)      # and every thread's codes
                     for it in T.serial(n_mine):
                         prog = dlist[g + GROUPS * it]
                         slot = prog // H
