@@ -395,18 +395,9 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         return row * ROW_CHUNKS + (c ^ (row % ROW_CHUNKS))
 
     @T.macro
-    def prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, nthreads, g, pf_ck, pf_kb, pf_ub, pf_gb,
-                         pf_w, pf_pc):
-        """Start copying the program's checkpoint, window and gate into this group's prefetch buffers (cp.async, one
-        commit group), issued by ``nthreads`` threads (t < nthreads: the whole group, or its staging warps); nothing
-        is read from them before the issuing threads waited and synchronised with the readers."""
-        base = region_word(slot, head, H)
-        for k in T.unroll(T.ceildiv(CK_CHUNKS, nthreads)):
-            e = k * nthreads + t
-            if e < CK_CHUNKS:
-                dst = T.if_then_else(e < CODE_CHUNKS, code_chunk(e // ROW_CHUNKS, e % ROW_CHUNKS), e)
-                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, dst * VEC4]),
-                                         T.address_of(raw32[base + e * VEC4])))
+    def copy_window(kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, nthreads, g, pf_kb, pf_ub, pf_gb, pf_w, pf_pc):
+        """The program's window and gate (kbuf, ubuf, gbuf, w, pcum / p) into this group's prefetch buffers
+        (cp.async, issued by ``nthreads`` threads; the caller commits)."""
         for k in T.unroll(WINDOW_CHUNKS // nthreads):
             h0 = (k * nthreads + t) * CHUNK_HALVES  # a 16-byte chunk of an [L, 128] 16-bit tensor
             T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, h0 // K, h0 % K]),
@@ -426,6 +417,21 @@ def flush_phases(cfg: FlushConfig) -> Phases:
         else:
             if t == 0:
                 T.evaluate(T.call_extern("handle", "lq_cp4", T.address_of(pf_pc[g, 0]), T.address_of(p[slot, head])))
+
+    @T.macro
+    def prefetch_program(raw32, kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, nthreads, g, pf_ck, pf_kb, pf_ub, pf_gb,
+                         pf_w, pf_pc):
+        """Start copying the program's checkpoint, window and gate into this group's prefetch buffers (cp.async, one
+        commit group), issued by ``nthreads`` threads (t < nthreads: the whole group, or its staging warps); nothing
+        is read from them before the issuing threads waited and synchronised with the readers."""
+        base = region_word(slot, head, H)
+        for k in T.unroll(T.ceildiv(CK_CHUNKS, nthreads)):
+            e = k * nthreads + t
+            if e < CK_CHUNKS:
+                dst = T.if_then_else(e < CODE_CHUNKS, code_chunk(e // ROW_CHUNKS, e % ROW_CHUNKS), e)
+                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, dst * VEC4]),
+                                         T.address_of(raw32[base + e * VEC4])))
+        copy_window(kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, nthreads, g, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
         T.evaluate(T.call_extern("handle", "lq_cp_commit"))
 
     @T.macro
@@ -440,25 +446,7 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             if e < CK_CHUNKS:
                 T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ck[g, e * VEC4]),
                                          T.address_of(raw32[base + e * VEC4])))
-        for k in T.unroll(WINDOW_CHUNKS // GROUP_THREADS):
-            h0 = (k * GROUP_THREADS + t) * CHUNK_HALVES
-            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_kb[g, h0 // K, h0 % K]),
-                                     T.address_of(kbuf[slot, head, h0 // K, h0 % K])))
-            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_ub[g, h0 // V, h0 % V]),
-                                     T.address_of(ubuf[slot, head, h0 // V, h0 % V])))
-            if KDA:
-                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_gb[g, h0 // K, h0 % K]),
-                                         T.address_of(gbuf[slot, head, h0 // K, h0 % K])))
-        if t < L // VEC4:
-            T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_w[g, t * VEC4]),
-                                     T.address_of(w[slot, head, t * VEC4])))
-        if KDA:
-            if t < K // VEC4:
-                T.evaluate(T.call_extern("handle", "lq_cp16", T.address_of(pf_pc[g, t * VEC4]),
-                                         T.address_of(pcum[slot, head, t * VEC4])))
-        else:
-            if t == 0:
-                T.evaluate(T.call_extern("handle", "lq_cp4", T.address_of(pf_pc[g, 0]), T.address_of(p[slot, head])))
+        copy_window(kbuf, ubuf, w, pcum, gbuf, p, slot, head, t, GROUP_THREADS, g, pf_kb, pf_ub, pf_gb, pf_w, pf_pc)
         T.evaluate(T.call_extern("handle", "lq_cp_commit"))
         for k in T.unroll(CODE_CHUNKS // GROUP_THREADS):
             e = k * GROUP_THREADS + t
