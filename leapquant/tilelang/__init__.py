@@ -19,7 +19,7 @@ import torch
 
 from .. import dispatch
 from ..layout import GATES, Pool
-from .kernel import SUPPORTED_HEADS, FlushConfig, compile_flush, shared_bytes
+from .kernel import ALIGN_BYTES, SUPPORTED_HEADS, FlushConfig, compile_flush, shared_bytes
 
 REQUIRED_TILELANG = "0.1.12"
 #: compute capability -> the architecture the kernel is built for (the 'a' targets: wgmma / setmaxnreg era chips)
@@ -87,6 +87,11 @@ def reasons(pool: Pool) -> list[str]:
     problem = _nvcc_problem()
     if problem:
         why.append(problem)
+    misaligned = [name for name in ("raw", *pool.WINDOW_FIELDS[pool.gate])
+                  if getattr(pool, name).data_ptr() % ALIGN_BYTES]
+    if misaligned:
+        why.append(f"pool.{', pool.'.join(misaligned)} not {ALIGN_BYTES}-byte aligned (the kernel copies and reads "
+                   f"them in {ALIGN_BYTES}-byte pieces)")
     if not why:
         props = torch.cuda.get_device_properties(pool.device)
         cfg = config_for(pool)

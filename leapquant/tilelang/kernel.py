@@ -109,6 +109,9 @@ CHOL_ABS_FLOOR = 1e-36
 GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gram matrix, packed row by row
 GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three float4
 VEC4 = 4                                # floats per 16-byte access
+#: every pool tensor must start on a 16-byte boundary: the prefetch copies (cp.async) and the fill counters' loads move
+#: 16 bytes at a time (row strides are multiples of 16 bytes for every supported geometry)
+ALIGN_BYTES = 16
 CHUNK_HALVES = 8                        # 16-bit values per 16-byte chunk (the reset's stores, the prefetch's copies)
 WINDOW_CHUNKS = L * K // CHUNK_HALVES   # 256 such chunks in an [L, 128] 16-bit window tensor (kbuf, ubuf, gbuf)
 ORTH_WARPS = V // WARP                  # 4: the warps whose threads hold one row each of P (K rows) or Q (V rows)
@@ -186,6 +189,10 @@ __device__ __forceinline__ void lq_cp16(void* smem, const void* gmem) {
 __device__ __forceinline__ void lq_cp4(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem)
                : "memory");
+}
+// position of the n-th (0-based) set bit of a mask word (fns: one instruction instead of a loop over the lower bits)
+__device__ __forceinline__ int lq_nth_set_bit(unsigned mask, int n) {
+  unsigned d; asm("fns.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(mask), "r"(n + 1)); return (int)d;
 }
 __device__ __forceinline__ void lq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void lq_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
@@ -325,12 +332,14 @@ def flush_phases(cfg: FlushConfig) -> Phases:
     ROWS = cfg.rows_per_chunk
     SLOTS_PER_THREAD = ROWS // CTA_THREADS
     WORDS_PER_WARP = CTA_THREADS // CTA_WARPS   # mask words built by one warp per chunk (32)
+    HCNT_VEC = ALIGN_BYTES // 4                 # fill counters per 16-byte load (H is a multiple of 4)
 
     # ---- ranking of the due programs --------------------------------------------------------------------------------
     @T.macro
     def find_due_programs(idx, hcnt, n_rows, num_slots, slot_s, mask_s, wsum_s, dlist, rank_lo, bid, tx, ranked):
-        """Rank the due programs of the call in (row, head) order; keep those with rank = bid (mod grid) and rank in
-        [rank_lo, rank_lo + grid * LIST_CAP) in ``dlist`` (slot * H + head). ``ranked[0]`` ends as the total count."""
+        """Rank the due programs of the call (in the order of the mask words below: every CTA ranks alike); keep those
+        with rank = bid (mod grid) and rank in [rank_lo, rank_lo + grid * LIST_CAP) in ``dlist`` (slot * H + head).
+        ``ranked[0]`` ends as the total count."""
         lane = tx % WARP
         warp = tx // WARP
         ranked[0] = 0
@@ -341,15 +350,21 @@ def flush_phases(cfg: FlushConfig) -> Phases:
                 s = idx[T.min(n, n_rows - 1)]
                 slot_s[i * CTA_THREADS + tx] = T.if_then_else((n < n_rows) & (s > 0) & (s < num_slots), s, 0)
             T.sync_threads()
+            # the fill counters four heads (16 bytes) per load: load i of lane covers programs 4 q .. 4 q + 3 with
+            # q = (warp + CTA_WARPS i) WARP + lane, and mask word 4 (warp + CTA_WARPS i) + c holds their c-th flags
+            # (bit = lane). Rows past the call read slot 0's counters, which the slot check masks
             flags = T.alloc_local((WORDS_PER_WARP,), I32)
-            for i in T.unroll(WORDS_PER_WARP):          # all loads in flight before the first ballot
-                prog = (warp + CTA_WARPS * i) * WARP + lane
-                sl = slot_s[prog // H]
-                flags[i] = T.if_then_else(sl > 0, hcnt[sl, prog % H], 0)
-            for i in T.unroll(WORDS_PER_WARP):
-                bal = T.cast(T.ballot_sync(flags[i] == L), U32)
-                if lane == 0:
-                    mask_s[warp + CTA_WARPS * i] = bal
+            sls = T.alloc_local((WORDS_PER_WARP // HCNT_VEC,), I32)
+            for i in T.unroll(WORDS_PER_WARP // HCNT_VEC):      # all loads in flight before the first ballot
+                q = (warp + CTA_WARPS * i) * WARP + lane
+                sls[i] = slot_s[q * HCNT_VEC // H]
+                for c in T.vectorized(HCNT_VEC):
+                    flags[i * HCNT_VEC + c] = hcnt[sls[i], q * HCNT_VEC % H + c]
+            for i in T.unroll(WORDS_PER_WARP // HCNT_VEC):
+                for c in T.unroll(HCNT_VEC):
+                    bal = T.cast(T.ballot_sync((sls[i] > 0) & (flags[i * HCNT_VEC + c] == L)), U32)
+                    if lane == 0:
+                        mask_s[HCNT_VEC * (warp + CTA_WARPS * i) + c] = bal
             T.sync_threads()
             # exclusive prefix of the per-word counts: warp scan, then the warp totals
             cnt = T.call_extern(I32, "__popc", mask_s[tx])
@@ -370,11 +385,8 @@ def flush_phases(cfg: FlushConfig) -> Phases:
             first_rank = ranked[0] + before[0] + incl[0] - cnt
             mine = first_rank + (bid - first_rank % G + G) % G      # first rank >= first_rank owned by this CTA
             if (mine < first_rank + cnt) & (mine >= rank_lo) & (mine < rank_lo + G * LIST_CAP):
-                bits = T.alloc_local((1,), U32)
-                bits[0] = mask_s[tx]
-                for _ in T.serial(mine - first_rank):           # drop the lower set bits
-                    bits[0] = bits[0] & (bits[0] - T.uint32(1))
-                prog = tx * WARP + T.call_extern(I32, "__ffs", bits[0]) - 1
+                bit = T.call_extern(I32, "lq_nth_set_bit", mask_s[tx], mine - first_rank)
+                prog = ((tx // HCNT_VEC) * WARP + bit) * HCNT_VEC + tx % HCNT_VEC
                 dlist[(mine - rank_lo) // G] = slot_s[prog // H] * H + prog % H
             ranked[0] = ranked[0] + before[1]
             T.sync_threads()
