@@ -15,11 +15,18 @@ The stamps change the kernel's code: two builds' totals can differ by 5-7 % wher
 
     python bench/tilelang_clock.py cta-build leapquant/tilelang/kernel.py OUT.py     # per-CTA timestamp build
     python bench/tilelang_clock.py cta-run OUT.py 256:all 256:sixteenth
+    python bench/tilelang_clock.py pro-build leapquant/tilelang/kernel.py OUT.py     # the round's prologue, stamped
+    python bench/tilelang_clock.py pro-run OUT.py 256:sixteenth
 
 ``cta-build`` stamps (globaltimer, clock64, SM id) only outside the program loop: when each CTA starts, when each
 group leaves its program loop and when the CTA ends, into the pool's header words from :data:`CTA_WORD` on.
 ``cta-run`` prints per call the span, the CTAs' start skew, their mean / max / min duration and the group loops'
 cycles, and the slowest and fastest CTAs (block, SM, us): how evenly the persistent grid ends.
+
+``pro-build`` stamps clock64 where a round's prologue passes its milestones (CTA start, ranking done; per group: the
+first fetch's staging inputs landed, the first program staged, the barrier after it, the start of programs 0, 1, 2
+and the loop's end); ``pro-run`` prints the mean cycles of each milestone after the CTA's start over the groups
+that flush at least two programs: where the first program's extra cost goes at low load.
 """
 from __future__ import annotations
 
@@ -143,6 +150,85 @@ def run_cta(path: str, points: list[str], calls: int = 6) -> None:
         print("fastest CTAs (block, SM, us):", [(int(b), int(d[b, 0, 2]), round(dur[b].item(), 1)) for b in order[:6]])
 
 
+PRO_WORDS = 48                  #: 24 int64 clock64 stamps per CTA: 0 start, 1 ranked, 2 + 7 g + k per group g,
+                                #: 16 + k inside the ranking
+PRO_GROUP = ("first inputs landed", "first staged", "barrier after staging", "program 0 starts", "program 1 starts",
+             "program 2 starts (if any)", "loop end")
+PRO_RANKING = ("q0 and token padding", "idx landed (slots)", "hcnt landed (ballots)", "counts scanned")
+PRELUDE_PRO = ('__device__ __forceinline__ void lq_pro_stamp(int* p) {\n'
+               '  *(long long*)p = clock64();\n}\n')
+
+
+def _pro_stamp(k: str, cond: str, pad: str) -> str:
+    return (f"{pad}if {cond}:\n{pad}    T.evaluate(T.call_extern('handle', 'lq_pro_stamp', "
+            f"T.address_of(raw32[{CTA_WORD} + bid * {PRO_WORDS} + 2 * ({k})])))\n")
+
+
+def build_pro(src: str, dst: str) -> None:
+    """Write the prologue-stamp build of generator ``src`` to ``dst`` (see ``pro-build`` above)."""
+    s = open(src).read()
+    s = s.replace('PRELUDE = r"""\n', 'PRELUDE = r"""\n' + PRELUDE_PRO, 1)
+
+    def after(anchor: str, text: str) -> None:
+        nonlocal s
+        assert s.count(anchor) == 1, anchor
+        s = s.replace(anchor, anchor + text, 1)
+
+    p12, p24 = " " * 12, " " * 24
+    after("            bar = FIRST_GROUP_BARRIER + g\n", _pro_stamp("0", "tx == 0", p12))
+    after("                    total[0] = ranked[0]\n", _pro_stamp("1", "tx == 0", " " * 20))
+    after("            total[0] = 0\n", _pro_stamp("16", "tx == 0", p12))
+    sig = s.index("def find_due_programs(")
+    if "raw32" not in s[sig:s.index("):", sig)]:      # the ranking's stamps need the pool
+        s = s.replace("def find_due_programs(idx, hcnt,", "def find_due_programs(raw32, idx, hcnt,", 1)
+        s = s.replace("ph.find_due_programs(idx, hcnt,", "ph.find_due_programs(raw32, idx, hcnt,", 1)
+    i = s.index("def find_due_programs(")
+    for k in range(3):                  # the ranking's first three CTA barriers
+        i = s.index("            T.sync_threads()\n", i) + len("            T.sync_threads()\n")
+        stamp = _pro_stamp(str(17 + k), "tx == 0", p12)
+        s = s[:i] + stamp + s[i:]
+        i += len(stamp)
+    after("# every thread's staging inputs landed\n", _pro_stamp("2 + 7 * g", "t == 0", p24))
+    staged = "ubw_s, tok_old_s, sko_s, svo_s, gate_s)\n"
+    after(staged, _pro_stamp("2 + 7 * g + 1", "t == 0", p24))
+    sync = "T.sync_threads(bar, GROUP_THREADS)"
+    i = s.index(sync, s.index(staged)) + len(sync)
+    i = s.index("\n", i) + 1
+    s = s[:i] + _pro_stamp("2 + 7 * g + 2", "t == 0", p24) + s[i:]
+    after("                    for it in T.serial(n_mine):\n",
+          _pro_stamp("2 + 7 * g + 3 + it", "(t == 0) & (it < 3)", " " * 24))
+    pad = " " * (BODY_INDENT - 4)
+    s = s.replace(LOOP_END, _pro_stamp("2 + 7 * g + 6", "t == 0", pad) + LOOP_END, 1)
+    with open(dst, "w") as f:
+        f.write(s)
+
+
+def run_pro(path: str, points: list[str], calls: int = 6) -> None:
+    import torch
+
+    for batch, due, cfg, nsets, call, kern in _warm_points(path, points):
+        grid = cfg.num_sms
+        words = call.pool.raw[CTA_WORD:CTA_WORD + PRO_WORDS * grid]
+        rows = []
+        for c in range(calls):
+            words.zero_()
+            call(kern, c % nsets)
+            torch.cuda.synchronize()
+            d = words.view(torch.int64).view(grid, PRO_WORDS // 2).cpu().double()
+            rel = (d - d[:, :1]) / 1e3
+            rel[d == 0] = float("nan")          # a milestone this CTA never passed
+            for g in range(2):
+                grp = rel[:, 2 + 7 * g: 9 + 7 * g]
+                two = d[:, 2 + 7 * g + 4] > 0          # the group started a second program
+                rows.append(torch.cat([rel[two, 16:20], rel[two, 1:2], grp[two]], 1))
+        m = torch.cat(rows).nanmean(0).tolist()
+        print(f"\n{os.path.basename(path)} batch {batch} due {due}: kcycles after the CTA's start (mean over groups "
+              f"with >= 2 programs, {calls} calls)")
+        print("| milestone | kcycles |\n| --- | --- |")
+        for name, v in zip(PRO_RANKING + ("ranked",) + PRO_GROUP, m):
+            print(f"| {name} | {v:.2f} |")
+
+
 def run(path: str, points: list[str]) -> None:
     import torch
 
@@ -173,5 +259,9 @@ if __name__ == "__main__":
         build_cta(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "cta-run":
         run_cta(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "pro-build":
+        build_pro(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "pro-run":
+        run_pro(sys.argv[2], sys.argv[3:])
     else:
         run(sys.argv[2], sys.argv[3:])

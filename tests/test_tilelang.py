@@ -86,6 +86,18 @@ def test_cta_timestamp_build_traces(tmp_path):
     assert script.count("lq_cta_stamp") == 3
 
 
+def test_prologue_stamp_build_traces(tmp_path):
+    """bench/tilelang_clock.py's prologue build: stamps at the CTA's start, after q0 and the token padding, inside
+    the ranking (three barriers), when the ranking ends, and per group at the first fetch, staging, barrier, program
+    starts and loop end."""
+    tilelang_clock, tilelang_dev = _bench_tools()
+    out = tmp_path / "pro_kernel.py"
+    tilelang_clock.build_pro(tl_kernel.__file__, str(out))
+    mod = tilelang_dev.load_kernel_module(str(out))
+    script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()
+    assert script.count("lq_pro_stamp") == 1 + 1 + 3 + 1 + 5, script.count("lq_pro_stamp")
+
+
 def test_config_rejects_other_geometries():
     with pytest.raises(ValueError):
         tl_kernel.FlushConfig(num_heads=12, gate="kda", arch="sm_90a", num_sms=132)
@@ -97,6 +109,18 @@ def test_config_rejects_other_geometries():
 def test_reasons_on_cpu_pool():
     why = lq_tl.reasons(Pool(2, 32, device="cpu", gate="kda"))
     assert any("CUDA" in w for w in why), why
+
+
+def test_reasons_decline_misaligned_buffers():
+    """The kernel moves every pool tensor in 16-byte pieces: an engine's buffer that starts off a 16-byte boundary is
+    declined with its name (auto falls back, a forced backend raises with the reason)."""
+    from leapquant.layout import K
+    NS, H = 3, 32
+    spare = torch.zeros(NS * H * L * K + 1, dtype=torch.bfloat16)
+    kbuf = spare[1:].view(NS, H, L, K)                  # 2 bytes past an aligned start
+    why = lq_tl.reasons(Pool(NS, H, device="cpu", gate="kda", kbuf=kbuf))
+    assert any("pool.kbuf" in w and "16-byte" in w for w in why), why
+    assert not any("16-byte" in w for w in lq_tl.reasons(Pool(NS, H, device="cpu", gate="kda"))), why
 
 
 def test_reasons_decline_other_head_counts():
