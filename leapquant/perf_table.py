@@ -11,8 +11,8 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_134a933_all-backends.md (one run, KDA and GDN): TileLang all due 27.5 / 87.7 / 316.7 /
-#: 613.9 us at batch 16 / 64 / 256 / 512 against Triton's 97.5 / 368.9 / 1421.2 / 2809.6 us, and faster at 1/16 due
+#: source: bench/results/h200_e391b0b_all-backends.md (one run, KDA and GDN): TileLang all due 26.9 / 88.0 / 320.2 /
+#: 621.6 us at batch 16 / 64 / 256 / 512 against Triton's 97.9 / 369.9 / 1428.5 / 2821.5 us, and faster at 1/16 due
 #: and none due at every batch too: it is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
