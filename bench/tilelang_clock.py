@@ -126,18 +126,31 @@ def build_cta(src: str, dst: str) -> None:
         f.write(s)
 
 
-def run_cta(path: str, points: list[str], calls: int = 6) -> None:
+def _stamped_calls(path: str, points: list[str], words_per_cta: int, calls: int):
+    """Per point: (batch, due, grid, stamps of each call), the stamps an int64 tensor [grid, words_per_cta / 2] read
+    from the pool's header after the call (zeroed before it)."""
     import torch
 
     for batch, due, cfg, nsets, call, kern in _warm_points(path, points):
         grid = cfg.num_sms
-        words = call.pool.raw[CTA_WORD:CTA_WORD + CTA_WORDS * grid]
+        words = call.pool.raw[CTA_WORD:CTA_WORD + words_per_cta * grid]
+
+        def each_call():
+            for c in range(calls):
+                words.zero_()
+                call(kern, c % nsets)
+                torch.cuda.synchronize()
+                yield words.view(torch.int64).view(grid, words_per_cta // 2).cpu()
+        yield batch, due, grid, each_call()
+
+
+def run_cta(path: str, points: list[str], calls: int = 6) -> None:
+    import torch
+
+    for batch, due, grid, stamps in _stamped_calls(path, points, CTA_WORDS, calls):
         print(f"\n{os.path.basename(path)} batch {batch} due {due}, {grid} CTAs, us (globaltimer) and kcycles (clock64):")
-        for c in range(calls):
-            words.zero_()
-            call(kern, c % nsets)
-            torch.cuda.synchronize()
-            d = words.view(torch.int64).view(grid, 4, 3).cpu()
+        for c, flat in enumerate(stamps):
+            d = flat.view(grid, 4, 3)
             t0 = d[:, 0, 0].min()
             dur = (d[:, 3, 0] - d[:, 0, 0]).double() / 1e3
             loops = torch.stack([d[:, 1, 1] - d[:, 0, 1], d[:, 2, 1] - d[:, 0, 1]], 1).double() / 1e3
@@ -206,15 +219,10 @@ def build_pro(src: str, dst: str) -> None:
 def run_pro(path: str, points: list[str], calls: int = 6) -> None:
     import torch
 
-    for batch, due, cfg, nsets, call, kern in _warm_points(path, points):
-        grid = cfg.num_sms
-        words = call.pool.raw[CTA_WORD:CTA_WORD + PRO_WORDS * grid]
+    for batch, due, grid, stamps in _stamped_calls(path, points, PRO_WORDS, calls):
         rows = []
-        for c in range(calls):
-            words.zero_()
-            call(kern, c % nsets)
-            torch.cuda.synchronize()
-            d = words.view(torch.int64).view(grid, PRO_WORDS // 2).cpu().double()
+        for flat in stamps:
+            d = flat.double()
             rel = (d - d[:, :1]) / 1e3
             rel[d == 0] = float("nan")          # a milestone this CTA never passed
             for g in range(2):
