@@ -202,10 +202,16 @@ def build_pro(src: str, dst: str) -> None:
         s = s[:i] + stamp + s[i:]
         i += len(stamp)
     after("# every thread's staging inputs landed\n", _pro_stamp("2 + 7 * g", "t == 0", p24))
-    staged = "ubw_s, tok_old_s, sko_s, svo_s, gate_s)\n"
-    after(staged, _pro_stamp("2 + 7 * g + 1", "t == 0", p24))
+    i, depth = s.index("ph.stage_program("), 0             # the end of the first program's staging call
+    while True:
+        depth += {"(": 1, ")": -1}.get(s[i], 0)
+        i += 1
+        if depth == 0 and s[i - 1] == ")":
+            break
+    i = s.index("\n", i) + 1
+    s = s[:i] + _pro_stamp("2 + 7 * g + 1", "t == 0", p24) + s[i:]
     sync = "T.sync_threads(bar, GROUP_THREADS)"
-    i = s.index(sync, s.index(staged)) + len(sync)
+    i = s.index(sync, i) + len(sync)
     i = s.index("\n", i) + 1
     s = s[:i] + _pro_stamp("2 + 7 * g + 2", "t == 0", p24) + s[i:]
     after("                    for it in T.serial(n_mine):\n",
