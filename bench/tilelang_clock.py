@@ -187,6 +187,13 @@ def build_pro(src: str, dst: str) -> None:
         assert s.count(anchor) == 1, anchor
         s = s.replace(anchor, anchor + text, 1)
 
+    def after_line(i: int, text: str) -> int:
+        """Insert ``text`` after the line holding position ``i``; returns where the text ends."""
+        nonlocal s
+        i = s.index("\n", i) + 1
+        s = s[:i] + text + s[i:]
+        return i + len(text)
+
     p12, p24 = " " * 12, " " * 24
     after("            bar = FIRST_GROUP_BARRIER + g\n", _pro_stamp("0", "tx == 0", p12))
     after("                    total[0] = ranked[0]\n", _pro_stamp("1", "tx == 0", " " * 20))
@@ -197,10 +204,7 @@ def build_pro(src: str, dst: str) -> None:
         s = s.replace("ph.find_due_programs(idx, hcnt,", "ph.find_due_programs(raw32, idx, hcnt,", 1)
     i = s.index("def find_due_programs(")
     for k in range(3):                  # the ranking's first three CTA barriers
-        i = s.index("            T.sync_threads()\n", i) + len("            T.sync_threads()\n")
-        stamp = _pro_stamp(str(17 + k), "tx == 0", p12)
-        s = s[:i] + stamp + s[i:]
-        i += len(stamp)
+        i = after_line(s.index("            T.sync_threads()\n", i), _pro_stamp(str(17 + k), "tx == 0", p12))
     after("# every thread's staging inputs landed\n", _pro_stamp("2 + 7 * g", "t == 0", p24))
     i, depth = s.index("ph.stage_program("), 0             # the end of the first program's staging call
     while True:
@@ -208,12 +212,8 @@ def build_pro(src: str, dst: str) -> None:
         i += 1
         if depth == 0 and s[i - 1] == ")":
             break
-    i = s.index("\n", i) + 1
-    s = s[:i] + _pro_stamp("2 + 7 * g + 1", "t == 0", p24) + s[i:]
-    sync = "T.sync_threads(bar, GROUP_THREADS)"
-    i = s.index(sync, i) + len(sync)
-    i = s.index("\n", i) + 1
-    s = s[:i] + _pro_stamp("2 + 7 * g + 2", "t == 0", p24) + s[i:]
+    i = after_line(i, _pro_stamp("2 + 7 * g + 1", "t == 0", p24))
+    after_line(s.index("T.sync_threads(bar, GROUP_THREADS)", i), _pro_stamp("2 + 7 * g + 2", "t == 0", p24))
     after("                    for it in T.serial(n_mine):\n",
           _pro_stamp("2 + 7 * g + 3 + it", "(t == 0) & (it < 3)", " " * 24))
     pad = " " * (BODY_INDENT - 4)
