@@ -187,7 +187,9 @@ def main() -> None:
                 q0 = lq.default_q0("cuda")
                 lq.warmup(pool, backend="triton")
                 ws = fm._WORKSPACES[pool]
-                kern = fm._flush_due.warmup(*fm._flush_args(pool, ws, q0, 1), grid=(1,), **fm._flush_meta(pool, ws))
+                idx1 = torch.zeros(1, dtype=torch.int32, device="cuda")
+                kern = fm._flush_due.warmup(*fm._flush_args(pool, ws, q0, idx1), grid=(ws.programs,),
+                                            **fm._flush_meta(pool, ws.programs))
                 info = dict(regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared, grid=ws.programs)
                 for mode in a.due:
                     due = set_due(pool, B, mode, g)

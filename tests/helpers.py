@@ -178,3 +178,18 @@ def check_graph_replay(backend: str, gate: str, heads: int, device) -> None:
         if len(slots):
             v = judge_programs(pool, slots, hs, inputs, q0, backend)
             assert v.passed, f"replay {rep}: {v.message}"
+
+
+def nothing_due_launches(backend: str, gate: str, heads: int, device) -> list[str]:
+    """The CUDA kernels one warmed-up ``flush_inplace`` with nothing due launches (torch's profiler): the deployment
+    contract wants a call with nothing due to be one cheap launch."""
+    import leapquant as lq
+    pool, idx = noisy_pool(gate, heads, 0, device)
+    pool.hcnt.fill_(L - 1)
+    q0 = lq.default_q0(device)
+    lq.flush_inplace(pool, idx, q0, backend=backend)          # warm: compiled, workspace made
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        lq.flush_inplace(pool, idx, q0, backend=backend)
+        torch.cuda.synchronize(device)
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

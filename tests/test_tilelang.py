@@ -19,7 +19,7 @@ import leapquant as lq
 from leapquant import criterion, dispatch, families, reference
 from leapquant.layout import L, Pool
 from helpers import (assert_flush_footprint, check_graph_replay, due_programs, judge_programs, noisy_pool,
-                     poison_due_checkpoints, program_inputs, snapshot)
+                     nothing_due_launches, poison_due_checkpoints, program_inputs, snapshot)
 
 tilelang = pytest.importorskip("tilelang")
 from leapquant import tilelang as lq_tl  # noqa: E402  (registers the backend)
@@ -266,6 +266,16 @@ def test_gpu_graph_replay(gate):
     """Captured once, replayed with different due sets (tests/helpers.check_graph_replay)."""
     _skip_unless_served(32, gate)
     check_graph_replay("tilelang", gate, 32, DEVICE)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_gpu_nothing_due_is_one_launch(gate):
+    """A call with nothing due launches one kernel (the CTAs rank the flags themselves and exit)."""
+    _skip_unless_served(32, gate)
+    names = nothing_due_launches("tilelang", gate, 32, DEVICE)
+    assert len(names) == 1, f"nothing due launched {len(names)} kernels: {names}"
 
 
 @gpu

@@ -16,7 +16,8 @@ import leapquant as lq
 from leapquant import criterion, families, reference
 from leapquant.layout import CHECKPOINT_BYTES, L, OFF, REGION_WORDS, Pool
 from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, fill_noise,
-                     judge_programs, noisy_pool, poison_due_checkpoints, program_inputs, snapshot)
+                     judge_programs, noisy_pool, nothing_due_launches, poison_due_checkpoints, program_inputs,
+                     snapshot)
 
 pytest.importorskip("triton")
 from leapquant import triton as lq_triton  # noqa: E402  (registers the backend)
@@ -186,3 +187,11 @@ def test_gpu_deployment_sizes(batch):
 def test_gpu_graph_replay(gate):
     """Captured once, replayed with different due sets (tests/helpers.check_graph_replay)."""
     check_graph_replay("triton", gate, 32, DEVICE)
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_gpu_nothing_due_is_one_launch(gate):
+    """A call with nothing due launches one kernel (its programs rank the flags themselves and exit)."""
+    names = nothing_due_launches("triton", gate, 32, DEVICE)
+    assert len(names) == 1, f"nothing due launched {len(names)} kernels: {names}"

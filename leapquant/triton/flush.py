@@ -1,11 +1,10 @@
-"""Triton flush: two launches, both CUDA-graph safe (no host sync, no allocation, fixed grids).
+"""Triton flush: one launch, CUDA-graph safe (no host sync, no allocation, a fixed grid).
 
-1. :func:`_mark_due` scans the rows of ``idx`` in chunks of ``CHUNK`` (row, head) flags, one program per chunk, and
-   writes each chunk's due programs, encoded ``slot * H + head``, into its own segment of a workspace list, with the
-   chunk's count. Programs are found on the GPU; a call with nothing due writes only counts.
-2. :func:`_flush_due` runs a fixed grid of ``G`` persistent programs (about as many as fit on the GPU at once). Each
-   reads the chunk counts, forms their prefix sums, and flushes the due items ``pid, pid + G, ...`` of the
-   concatenated list: a balanced split (+-1 item) however unevenly the due programs are spread over the rows.
+A fixed grid of ``G`` persistent programs (about as many as fit on the GPU at once). Each first ranks the call's due
+programs itself (:func:`_rank_due`: every (row, head) flag of ``idx`` in flag order, ``CHUNK`` flags per step, a prefix
+count) and writes the ones whose rank is ``pid (mod G)`` into its own entries of a workspace list indexed by rank;
+then it flushes them. Every program ranks alike, so the split is balanced (+-1 item) however unevenly the due
+programs are spread over the rows, and no program waits for another; a call with nothing due is this one launch.
 
 One due item = one (slot, head) program, processed top-down as the algorithm (SPEC section 2), all in fp32 registers:
 rebuild the state S [V, K] (the window as one fp32 FMA matrix product), one subspace iteration from
@@ -13,7 +12,7 @@ q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q; orth = CholeskyQR2 with floored 
 reduction), fp16 tokens, residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window
 reset.
 
-Both kernels run unchanged under ``TRITON_INTERPRET=1`` (the CPU test tier): bf16/fp16 values are converted to fp32
+The kernel runs unchanged under ``TRITON_INTERPRET=1`` (the CPU test tier): bf16/fp16 values are converted to fp32
 right after each load, and the codes are converted with fp32 and integer arithmetic only (no libdevice, which the
 interpreter lacks).
 """
@@ -82,31 +81,42 @@ _BYTE = _const(0xFF)
 #: every region starts on a multiple of this many fp32 words (OFF, the slot stride and the region size are)
 _ALIGN = _const(math.gcd(OFF, REGION_WORDS))
 
-#: (row, head) flags scanned by one program of _mark_due, and so the length of one segment of the due list
-CHUNK = 1024
+#: (row, head) flags a program ranks per step of its scan (rows x heads padded to a power of two). On a GPU one step
+#: covers batch 256 x 32 heads, all its loads in flight at once (each step costs two dependent trips to memory: idx,
+#: then the fill counters); under the interpreter a short step lets the CPU tests span several steps at small sizes
+CHUNK = 1024 if INTERPRETED else 8192
 
 
-# ---- launch 1: find the due programs ------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["N", "num_slots", "H"], do_not_specialize_on_alignment=["idx_ptr"])
-def _mark_due(idx_ptr, hcnt_ptr, due_ptr, count_ptr, N, num_slots, H, CHUNK: tl.constexpr):
-    """Chunk ``c`` = program id covers flags f = c * CHUNK + [0, CHUNK) with row f // H and head f % H.
+# ---- the ranking: each persistent program finds its own due programs ---------------------------------------------
+@triton.jit
+def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+              CHUNK: tl.constexpr):
+    """Rank the call's due programs in flag order (row, head) and write the code ``slot * H + head`` of each one whose
+    rank r is ``pid (mod G)`` to ``due[r]``; return their total (int32).
 
-    idx int32 [N] (slot per row; 0, negative or >= num_slots: skip), hcnt int32 [NS, H]. Writes the due programs'
-    codes ``slot * H + head`` (int32) to due[c * CHUNK + 0 .. n_c) in flag order, and n_c to count[c]."""
-    c = tl.program_id(0)
-    f = c * CHUNK + tl.arange(0, CHUNK)
-    live = f < N * H
-    slot = tl.load(idx_ptr + f // H, mask=live, other=0)
-    live = live & (slot > 0) & (slot < num_slots)           # out-of-range slots are skipped: graph capture cannot check
-    head = f % H
-    fill = tl.load(hcnt_ptr + slot.to(tl.int64) * H + head, mask=live, other=0)
-    due = live & (fill == _L)
-    pos = tl.cumsum(due.to(tl.int32), 0) - 1
-    tl.store(due_ptr + c * CHUNK + pos, slot * H + head, mask=due)
-    tl.store(count_ptr + c, tl.sum(due.to(tl.int32), 0))
+    idx int32 [N] (slot per row; 0, negative or >= num_slots: skip), hcnt int32 [NS, H], due int32 [>= N * H]; HP =
+    H rounded up to a power of two. Each rank has one writer and one reader, the same program: no program waits for
+    another."""
+    ROWS: tl.constexpr = CHUNK // HP
+    heads = tl.arange(0, HP)
+    total = 0
+    r0 = 0
+    while r0 < N:
+        rows = r0 + tl.arange(0, ROWS)
+        slot = tl.load(idx_ptr + rows, mask=rows < N, other=0)
+        ok = (rows < N) & (slot > 0) & (slot < num_slots)     # out-of-range slots are skipped: graph capture cannot check
+        live = ok[:, None] & (heads[None, :] < H)
+        fill = tl.load(hcnt_ptr + slot.to(tl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
+        due = (live & (fill == _L)).to(tl.int32)
+        per_row = tl.sum(due, 1)
+        rank = total + (tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(due, 1) - 1
+        tl.store(due_ptr + rank, slot[:, None] * H + heads[None, :], mask=(due > 0) & (rank % G == pid))
+        total += tl.sum(per_row, 0)
+        r0 += ROWS
+    return total
 
 
-# ---- helpers of launch 2 --------------------------------------------------------------------------------------------
+# ---- one item --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     """Combine function of a 4-operand sum: the R = 4 products S^T x (or S x) in one reduction."""
@@ -316,36 +326,26 @@ def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
         tl.store(gate_ptr + prog, 1.0)
 
 
-@triton.jit
-def _due_item(due_ptr, ends, starts, ch, t, total, CHUNK: tl.constexpr):
-    """The code (int64) of item t of the concatenated per-chunk due lists (0 when t >= total)."""
-    c = tl.sum((ends <= t).to(tl.int32), 0)        # the chunk holding item t
-    k = t - tl.sum(tl.where(ch == c, starts, 0), 0)
-    return tl.load(due_ptr + c * CHUNK + k, mask=t < total, other=0).to(tl.int64)
-
-
-# ---- launch 2: flush the due programs --------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_chunks", "H", "SS"], do_not_specialize_on_alignment=["q0_ptr"])
-def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, due_ptr, count_ptr,
-               num_chunks, H, SS, IS_KDA: tl.constexpr, CHUNK: tl.constexpr,
-               MAX_CHUNKS: tl.constexpr, ALIGN: tl.constexpr):
-    """Persistent program ``pid`` of ``G``: flushes due items pid, pid + G, ... of the list written by _mark_due.
+# ---- the kernel -----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["N", "num_slots", "SS"], do_not_specialize_on_alignment=["q0_ptr", "idx_ptr"])
+def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, idx_ptr, hcnt_ptr,
+               due_ptr, N, num_slots, SS, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+               IS_KDA: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+    """Persistent program ``pid`` of ``G`` (the grid): ranks the due programs (:func:`_rank_due`), then flushes its
+    items pid, pid + G, ... of them. H (heads) and G are compile-time: the ranking's tile is rows x HP and its
+    remainder by G a multiplication and shifts (a run-time divisor costs ~20 instructions per flag).
 
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
-    for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], the due list int32
-    [MAX_CHUNKS * CHUNK] and its counts int32 [MAX_CHUNKS] (the first num_chunks are this call's)."""
+    for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], idx int32 [N],
+    hcnt int32 [NS, H], the workspace list due int32 [>= N * H]."""
     pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    ch = tl.arange(0, MAX_CHUNKS)
-    n_c = tl.load(count_ptr + ch, mask=ch < num_chunks, other=0)
-    ends = tl.cumsum(n_c, 0)                       # items in chunks 0..c
-    starts = ends - n_c
-    total = tl.sum(n_c, 0)
+    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK)
+    tl.debug_barrier()                             # the list entries written by this program's threads, visible to all
     t = pid
-    code = _due_item(due_ptr, ends, starts, ch, t, total, CHUNK)
+    code = tl.load(due_ptr + t, mask=t < total, other=0).to(tl.int64)
     while t < total:                               # (a while loop: the interpreter cannot range over tensors)
         t_next = t + G
-        code_next = _due_item(due_ptr, ends, starts, ch, t_next, total, CHUNK)   # in flight during this item
+        code_next = tl.load(due_ptr + t_next, mask=t_next < total, other=0).to(tl.int64)   # in flight meanwhile
         _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
                    code // H, code % H, H, SS, IS_KDA, ALIGN)
         code = code_next
@@ -355,11 +355,7 @@ def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
 # ---- launcher ---------------------------------------------------------------------------------------------------------
 #: rows a call may carry before the workspace must grow (growing allocates: done outside graph capture only)
 MIN_ROW_CAPACITY = 1024
-#: the due list's chunk count is a compile-time size: at least 1024 rows x 64 heads, so one compilation serves
-#: every geometry up to there (heads is a run-time argument)
-MIN_CHUNKS = 64
 FLUSH_WARPS = 8          #: 8 warps: the 128 x 128 fp32 state is 64 registers per thread
-MARK_WARPS = 4
 #: alignment hints on the region and window offsets (16-byte vector loads; they also change the register layout
 #: Triton picks for the state: see bench/notes/triton.md)
 ALIGN_HINTS = True
@@ -372,12 +368,10 @@ INTERPRETER_PROGRAMS = 4
 
 @dataclass
 class _Workspace:
-    """Per-pool workspace, allocated once outside the call: the due list and its chunk counts, typed views of raw,
-    and the persistent grid size."""
+    """Per-pool workspace, allocated once outside the call: the due list, typed views of raw, and the persistent
+    grid size."""
     rows: int                      # largest len(idx) served without growing
-    max_chunks: int
-    due: torch.Tensor              # int32 [max_chunks * CHUNK]
-    count: torch.Tensor            # int32 [max_chunks]
+    due: torch.Tensor              # int32 [rows * H]: the call's due programs by rank
     raw_u8: torch.Tensor
     raw_f16: torch.Tensor
     programs: int = 0              # persistent programs resident at once (0: not measured yet)
@@ -398,38 +392,38 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
         raise RuntimeError(f"leapquant triton flush: call leapquant.warmup(pool) (or flush once) with at least {rows} "
                            f"rows outside CUDA graph capture first: the workspace and kernels are made there")
     cap = max(rows, MIN_ROW_CAPACITY, ws.rows if ws is not None else 0)
-    max_chunks = max(MIN_CHUNKS, triton.next_power_of_2(math.ceil(cap * pool.num_heads / CHUNK)))
-    ws = _Workspace(rows=cap, max_chunks=max_chunks,
-                    due=torch.zeros(max_chunks * CHUNK, dtype=torch.int32, device=pool.device),
-                    count=torch.zeros(max_chunks, dtype=torch.int32, device=pool.device),
+    ws = _Workspace(rows=cap, due=torch.zeros(cap * pool.num_heads, dtype=torch.int32, device=pool.device),
                     raw_u8=pool.raw.view(torch.uint8), raw_f16=pool.raw.view(torch.float16))
     _WORKSPACES[pool] = ws
     return ws
 
 
-def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, chunks: int) -> tuple:
-    """Positional arguments of _flush_due for a call of ``chunks`` chunks."""
+def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
+    """Positional arguments of _flush_due for a call with ``idx``."""
     kda = pool.gate == "kda"
     gate = pool.pcum if kda else pool.p
     gbuf = pool.gbuf if kda else pool.p          # GDN: a placeholder the kernel never reads
-    return (pool.raw, ws.raw_u8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, ws.due, ws.count,
-            chunks, pool.num_heads, slot_stride(pool.num_heads))
+    return (pool.raw, ws.raw_u8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, idx, pool.hcnt, ws.due,
+            idx.numel(), pool.num_slots, slot_stride(pool.num_heads))
 
 
-def _flush_meta(pool: Pool, ws: _Workspace) -> dict:
-    meta = dict(IS_KDA=pool.gate == "kda", CHUNK=CHUNK,
-                MAX_CHUNKS=ws.max_chunks, ALIGN=ALIGN_HINTS, num_warps=FLUSH_WARPS, num_stages=1)
+def _flush_meta(pool: Pool, programs: int) -> dict:
+    """Compile-time arguments of _flush_due for a grid of ``programs``."""
+    meta = dict(H=pool.num_heads, HP=triton.next_power_of_2(pool.num_heads), G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK, ALIGN=ALIGN_HINTS,
+                num_warps=FLUSH_WARPS, num_stages=1)
     if MAX_REGISTERS and not INTERPRETED:
         meta["maxnreg"] = MAX_REGISTERS
     return meta
 
 
-def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor) -> int:
-    """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads)."""
+def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> int:
+    """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads). The
+    kernel is compiled here for one program per SM, the grid it gets at 8 warps (so the launch finds it compiled)."""
     if INTERPRETED or pool.device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    kern = _flush_due.warmup(*_flush_args(pool, ws, q0, 0), grid=(1,), **_flush_meta(pool, ws))
     props = torch.cuda.get_device_properties(pool.device)
+    kern = _flush_due.warmup(*_flush_args(pool, ws, q0, idx), grid=(props.multi_processor_count,),
+                             **_flush_meta(pool, props.multi_processor_count))
     try:
         kern._init_handles()                   # loads the module and fills n_regs (Triton 3.x)
         threads = 32 * FLUSH_WARPS
@@ -447,24 +441,19 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
 
     pool: :class:`~leapquant.layout.Pool`; idx int32 [N] slot per row (0 or out of range: skip); q0 fp32 [V, R].
-    Two launches of fixed grids; no host synchronisation, no allocation once the pool's workspace exists."""
-    N, H = idx.numel(), pool.num_heads
-    if N == 0:
+    One launch of a fixed grid; no host synchronisation, no allocation once the pool's workspace exists."""
+    if idx.numel() == 0:
         return
-    ws = _workspace(pool, N)
+    ws = _workspace(pool, idx.numel())
     if ws.programs == 0:
         if _capturing(pool):
             raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
-        ws.programs = _resident_programs(pool, ws, q0)
-    chunks = math.ceil(N * H / CHUNK)
-    _mark_due[(chunks,)](idx, pool.hcnt, ws.due, ws.count, N, pool.num_slots, H, CHUNK=CHUNK,
-                         num_warps=MARK_WARPS)
-    grid = (min(ws.programs, N * H),)
-    _flush_due[grid](*_flush_args(pool, ws, q0, chunks), **_flush_meta(pool, ws))
+        ws.programs = _resident_programs(pool, ws, q0, idx)
+    _flush_due[(ws.programs,)](*_flush_args(pool, ws, q0, idx), **_flush_meta(pool, ws.programs))
 
 
 def warmup(pool: Pool) -> None:
-    """Make the workspace and compile / load both kernels for ``pool`` (outside any graph capture) by flushing an
+    """Make the workspace and compile / load the kernel for ``pool`` (outside any graph capture) by flushing an
     all-skip row: nothing in the pool changes."""
     from ..reference import default_q0
     idx = torch.zeros(1, dtype=torch.int32, device=pool.device)
