@@ -181,15 +181,18 @@ def check_graph_replay(backend: str, gate: str, heads: int, device) -> None:
 
 
 def nothing_due_launches(backend: str, gate: str, heads: int, device) -> list[str]:
-    """The CUDA kernels one warmed-up ``flush_inplace`` with nothing due launches (torch's profiler): the deployment
-    contract wants a call with nothing due to be one cheap launch."""
+    """The CUDA kernels a warmed-up call of ``backend``'s flush launches with nothing due (torch's profiler). The
+    backend's own flush, as a captured graph runs it: the API's checks of idx values, skipped under capture, launch
+    reductions of their own. The deployment contract wants a call with nothing due to be one cheap launch."""
     import leapquant as lq
+    from leapquant import dispatch
     pool, idx = noisy_pool(gate, heads, 0, device)
     pool.hcnt.fill_(L - 1)
     q0 = lq.default_q0(device)
     lq.flush_inplace(pool, idx, q0, backend=backend)          # warm: compiled, workspace made
+    flush = dispatch.get_backend(backend).flush
     torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        lq.flush_inplace(pool, idx, q0, backend=backend)
+        flush(pool, idx, q0)
         torch.cuda.synchronize(device)
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -109,9 +109,11 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: tl.constexpr, HP
         fill = tl.load(hcnt_ptr + slot.to(tl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
         due = (live & (fill == _L)).to(tl.int32)
         per_row = tl.sum(due, 1)
-        rank = total + (tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(due, 1) - 1
-        tl.store(due_ptr + rank, slot[:, None] * H + heads[None, :], mask=(due > 0) & (rank % G == pid))
-        total += tl.sum(per_row, 0)
+        n = tl.sum(per_row, 0)
+        if n > 0:                                   # (a step with nothing due skips the prefix sums)
+            rank = total + (tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(due, 1) - 1
+            tl.store(due_ptr + rank, slot[:, None] * H + heads[None, :], mask=(due > 0) & (rank % G == pid))
+        total += n
         r0 += ROWS
     return total
 
