@@ -11,9 +11,10 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_e391b0b_all-backends.md (one run, KDA and GDN): TileLang all due 26.9 / 88.0 / 320.2 /
-#: 621.6 us at batch 16 / 64 / 256 / 512 against Triton's 97.9 / 369.9 / 1428.5 / 2821.5 us, and faster at 1/16 due
-#: and none due at every batch too: it is preferred from batch 1
+#: source: bench/results/h200_aad6fa7_all-backends.md (one run, KDA and GDN): TileLang all due 27.2 / 88.1 / 320.3 /
+#: 625.4 us at batch 16 / 64 / 256 / 512 against Triton's 96.2 / 364.9 / 1407.8 / 2774.3 us, and 2.6-4x faster at
+#: 1/16 due; with nothing due Triton's one launch is 0.5-0.6 us cheaper (2.2-2.6 against 2.8-3.0 us up to batch 256),
+#: but the host cannot know the due set: TileLang is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
 
