@@ -188,6 +188,7 @@ def test_gpu_graph_replay(gate):
     """Captured once, replayed with different due sets (tests/helpers.check_graph_replay)."""
     check_graph_replay("triton", gate, 32, DEVICE)
 
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("gate", ["kda", "gdn"])

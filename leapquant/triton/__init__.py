@@ -35,7 +35,8 @@ dispatch.register(dispatch.Backend(
     name="triton",
     flush=flush,
     reasons=reasons,
-    description="Triton: one launch of persistent fp32 flush programs, each ranking the due programs on the GPU (CPU via TRITON_INTERPRET=1)",
+    description="Triton: one launch of persistent fp32 flush programs that rank the due programs on the GPU "
+                "(CPU via TRITON_INTERPRET=1)",
     warmup=warmup,
     versions=lambda: {"triton": triton.__version__, "torch": torch.__version__},
 ))

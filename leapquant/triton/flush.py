@@ -104,7 +104,8 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: tl.constexpr, HP
     while r0 < N:
         rows = r0 + tl.arange(0, ROWS)
         slot = tl.load(idx_ptr + rows, mask=rows < N, other=0)
-        ok = (rows < N) & (slot > 0) & (slot < num_slots)     # out-of-range slots are skipped: graph capture cannot check
+        # out-of-range slots are skipped (under graph capture the API cannot check idx values)
+        ok = (rows < N) & (slot > 0) & (slot < num_slots)
         live = ok[:, None] & (heads[None, :] < H)
         fill = tl.load(hcnt_ptr + slot.to(tl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
         due = (live & (fill == _L)).to(tl.int32)
@@ -411,8 +412,8 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor)
 
 def _flush_meta(pool: Pool, programs: int) -> dict:
     """Compile-time arguments of _flush_due for a grid of ``programs``."""
-    meta = dict(H=pool.num_heads, HP=triton.next_power_of_2(pool.num_heads), G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK, ALIGN=ALIGN_HINTS,
-                num_warps=FLUSH_WARPS, num_stages=1)
+    meta = dict(H=pool.num_heads, HP=triton.next_power_of_2(pool.num_heads), G=programs, IS_KDA=pool.gate == "kda",
+                CHUNK=CHUNK, ALIGN=ALIGN_HINTS, num_warps=FLUSH_WARPS, num_stages=1)
     if MAX_REGISTERS and not INTERPRETED:
         meta["maxnreg"] = MAX_REGISTERS
     return meta
