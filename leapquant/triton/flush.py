@@ -367,6 +367,41 @@ ALIGN_HINTS = True
 MAX_REGISTERS = 0
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
 INTERPRETER_PROGRAMS = 4
+#: which kernel a GPU call runs: "mma" (the Gluon kernel of :mod:`leapquant.triton.mma`, where Triton ships Gluon and
+#: the GPU has mma.sync: sm_80+) or "tl" (this module's kernel, the one the interpreter runs). The environment
+#: variable forces one; a forced "mma" that cannot run raises
+KERNEL_ENV = "LEAPQUANT_TRITON_KERNEL"
+KERNELS = ("mma", "tl")
+#: the Gluon kernel's warps and register cap (bench/notes/triton.md, session 11, measures the variants)
+MMA_WARPS = 8
+MMA_MAX_REGISTERS = 0
+
+
+def mma_reasons(device: torch.device) -> list[str]:
+    """Why the Gluon kernel cannot serve ``device`` (empty: it can)."""
+    if INTERPRETED or device.type != "cuda":
+        return ["the Gluon kernel runs on CUDA GPUs only (not under TRITON_INTERPRET=1)"]
+    why = []
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        why.append(f"compute capability {torch.cuda.get_device_capability(device)} < (8, 0): no mma.sync")
+    try:
+        from . import mma  # noqa: F401
+    except Exception as exc:  # an older Triton without Gluon
+        why.append(f"triton {triton.__version__} has no usable Gluon: {type(exc).__name__}: {exc}")
+    return why
+
+
+def kernel_for(device: torch.device) -> str:
+    """The kernel a call on ``device`` runs (see :data:`KERNEL_ENV`)."""
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if forced and forced not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={forced!r}: expected one of {KERNELS}")
+    why = mma_reasons(device)
+    if forced == "mma" and why:
+        raise RuntimeError(f"{KERNEL_ENV}=mma cannot run: " + "; ".join(why))
+    if forced:
+        return forced
+    return "tl" if why else "mma"
 
 
 @dataclass
@@ -377,6 +412,7 @@ class _Workspace:
     due: torch.Tensor              # int32 [rows * H]: the call's due programs by rank
     raw_u8: torch.Tensor
     raw_f16: torch.Tensor
+    kernel: str = "tl"             # "mma" or "tl" (kernel_for)
     programs: int = 0              # persistent programs resident at once (0: not measured yet)
 
 
@@ -410,9 +446,23 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor)
             idx.numel(), pool.num_slots, slot_stride(pool.num_heads))
 
 
-def _flush_meta(pool: Pool, programs: int) -> dict:
-    """Compile-time arguments of _flush_due for a grid of ``programs``."""
-    meta = dict(H=pool.num_heads, HP=triton.next_power_of_2(pool.num_heads), G=programs, IS_KDA=pool.gate == "kda",
+def _kernel_fn(kernel: str):
+    if kernel == "mma":
+        from .mma import flush_due
+        return flush_due
+    return _flush_due
+
+
+def _flush_meta(pool: Pool, kernel: str, programs: int) -> dict:
+    """Compile-time arguments of the kernel for a grid of ``programs``."""
+    hp = triton.next_power_of_2(pool.num_heads)
+    if kernel == "mma":
+        meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK, TW=min(hp, 32),
+                    num_warps=MMA_WARPS, num_stages=1)
+        if MMA_MAX_REGISTERS:
+            meta["maxnreg"] = MMA_MAX_REGISTERS
+        return meta
+    meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda",
                 CHUNK=CHUNK, ALIGN=ALIGN_HINTS, num_warps=FLUSH_WARPS, num_stages=1)
     if MAX_REGISTERS and not INTERPRETED:
         meta["maxnreg"] = MAX_REGISTERS
@@ -421,15 +471,17 @@ def _flush_meta(pool: Pool, programs: int) -> dict:
 
 def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> int:
     """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads). The
-    kernel is compiled here for one program per SM, the grid it gets at 8 warps (so the launch finds it compiled)."""
+    kernel is compiled here for one program per SM, then for the grid it gets (so the launch finds it compiled)."""
     if INTERPRETED or pool.device.type != "cuda":
         return INTERPRETER_PROGRAMS
     props = torch.cuda.get_device_properties(pool.device)
-    kern = _flush_due.warmup(*_flush_args(pool, ws, q0, idx), grid=(props.multi_processor_count,),
-                             **_flush_meta(pool, props.multi_processor_count))
+    fn = _kernel_fn(ws.kernel)
+    sms = props.multi_processor_count
+    meta = _flush_meta(pool, ws.kernel, sms)
+    kern = fn.warmup(*_flush_args(pool, ws, q0, idx), grid=(sms,), **meta)
     try:
         kern._init_handles()                   # loads the module and fills n_regs (Triton 3.x)
-        threads = 32 * FLUSH_WARPS
+        threads = 32 * meta["num_warps"]
         by_regs = props.regs_per_multiprocessor // (max(kern.n_regs, 1) * threads)
         smem = kern.metadata.shared
         by_smem = props.shared_memory_per_multiprocessor // smem if smem else by_regs
@@ -437,7 +489,9 @@ def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.
         per_sm = max(1, min(by_regs, by_smem, by_threads))
     except Exception:                          # an API change: one program per SM is always resident
         per_sm = 1
-    return per_sm * props.multi_processor_count
+    programs = per_sm * sms
+    fn.warmup(*_flush_args(pool, ws, q0, idx), grid=(programs,), **_flush_meta(pool, ws.kernel, programs))
+    return programs
 
 
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
@@ -451,8 +505,9 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     if ws.programs == 0:
         if _capturing(pool):
             raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
+        ws.kernel = kernel_for(pool.device)
         ws.programs = _resident_programs(pool, ws, q0, idx)
-    _flush_due[(ws.programs,)](*_flush_args(pool, ws, q0, idx), **_flush_meta(pool, ws.programs))
+    _kernel_fn(ws.kernel)[(ws.programs,)](*_flush_args(pool, ws, q0, idx), **_flush_meta(pool, ws.kernel, ws.programs))
 
 
 def warmup(pool: Pool) -> None:
