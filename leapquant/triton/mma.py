@@ -77,6 +77,30 @@ def window_t_layout(warps):
 
 
 @gluon.constexpr_function
+def vector_layout(warps):
+    """A 128-vector (a column of P, Q) for the orthonormalisation: 4 per thread over the 32 lanes of a warp, every
+    warp holding all of it. Its reductions (the Gram matrices) stay inside a warp: shuffles, no barrier; the state
+    layout's vectors would repeat the same work 16 times over more registers."""
+    return gl.BlockedLayout([4], [32], [warps], [0])
+
+
+@gluon.constexpr_function
+def column_partials_layout(warps):
+    """[16, K] per-thread partials of column sums (8 lane groups x 2 row bands at 8 warps): 8 per thread down a
+    column, two lanes per column."""
+    rows = 2 * warps
+    per = rows // 2
+    return gl.BlockedLayout([per, 1], [2, 16], [1, warps], [0, 1])
+
+
+@gluon.constexpr_function
+def row_partials_layout(warps):
+    """[V, 16] per-thread partials of row sums (4 lane quads x 4 column bands): 8 per thread along a row, two lanes
+    per row."""
+    return gl.BlockedLayout([1, 8], [16, 2], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
 def flat_layout(warps):
     return gl.BlockedLayout([1], [32], [warps], [0])
 
@@ -165,22 +189,40 @@ def _cholqr(x0, x1, x2, x3):
 
 
 @gluon.jit
-def _orthonormalize(c0, c1, c2, c3):
-    """CholeskyQR2: two passes."""
-    c0, c1, c2, c3 = _cholqr(c0, c1, c2, c3)
-    return _cholqr(c0, c1, c2, c3)
+def _orthonormalize(c0, c1, c2, c3, PASSES: gl.constexpr):
+    """CholeskyQR with PASSES passes on four 128-vectors (vector layout: every warp holds them whole, so the Gram
+    matrices are warp-local shuffle reductions)."""
+    for _ in gl.static_range(PASSES):
+        c0, c1, c2, c3 = _cholqr(c0, c1, c2, c3)
+    return c0, c1, c2, c3
 
 
 @gluon.jit
-def _column_products(S, x0, x1, x2, x3):
-    """S^T x for four V-vectors x (ROWS layout): four K-vectors (COLS), one 4-operand reduction over the rows."""
-    return gl.reduce((S * x0[:, None], S * x1[:, None], S * x2[:, None], S * x3[:, None]), 0, _add4)
+def _column_sum(S, x, OUT: gl.constexpr):
+    """S^T x [K] (layout OUT) for a V-vector x (rows layout). Each thread first sums its own rows of S x; then the
+    16 partials of a column (one per lane group and row band at 8 warps) are gathered through shared memory into two
+    threads and summed there: a reduce-scatter, instead of a shuffle tree over 8 lanes that every thread runs for all
+    8 of its columns."""
+    WR: gl.constexpr = gl.num_warps() // 4
+    # rows of the state layout: row = 16 WR m + 16 wr + 8 h + grp (m: repeats down the rows, wr: the row band,
+    # h: the two row halves of an mma tile, grp: the lane group); a thread holds every m and h of its (wr, grp)
+    # (m and h brought together: one sum of 8 products per column, which the compiler turns into 8 FMAs)
+    part = gl.permute(gl.reshape(S * x[:, None], [_V // (16 * WR), WR, 2, 8, _K]), [0, 2, 1, 3, 4])
+    part = gl.sum(gl.reshape(part, [_V // (8 * WR), WR * 8, _K]), 0)
+    part = gl.convert_layout(part, column_partials_layout(gl.num_warps()))
+    return gl.convert_layout(gl.sum(part, 0), OUT)
 
 
 @gluon.jit
-def _row_products(S, x0, x1, x2, x3):
-    """S x for four K-vectors x (COLS layout): four V-vectors (ROWS), one 4-operand reduction over the columns."""
-    return gl.reduce((S * x0[None, :], S * x1[None, :], S * x2[None, :], S * x3[None, :]), 1, _add4)
+def _row_sum(S, x, OUT: gl.constexpr):
+    """S x [V] (layout OUT) for a K-vector x (columns layout), as :func:`_column_sum` along the other axis: a thread
+    sums its own 8 columns, the 16 partials of a row (4 lane quads x 4 column bands) meet in two threads."""
+    # columns of the state layout: col = 32 n + 8 wc + 2 quad + j (n: repeats across, wc: the column band, quad: the
+    # lane within its group, j: the two columns of an mma tile's fragment); a thread holds every n and j
+    part = gl.permute(gl.reshape(S * x[None, :], [_V, _K // 32, 4, 4, 2]), [0, 1, 4, 2, 3])
+    part = gl.sum(gl.reshape(part, [_V, _K // 16, 16]), 1)
+    part = gl.convert_layout(part, row_partials_layout(gl.num_warps()))
+    return gl.convert_layout(gl.sum(part, 1), OUT)
 
 
 @gluon.jit
@@ -269,11 +311,25 @@ def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     q0c1 = gl.load(q0_ptr + rv * _R + 1)
     q0c2 = gl.load(q0_ptr + rv * _R + 2)
     q0c3 = gl.load(q0_ptr + rv * _R + 3)
-    p0, p1, p2, p3 = _column_products(S, q0c0, q0c1, q0c2, q0c3)
-    p0, p1, p2, p3 = _cholqr(p0, p1, p2, p3)
-    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3)
-    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
-    U0, U1, U2, U3 = _column_products(S, c0, c1, c2, c3)
+    VEC: gl.constexpr = vector_layout(gl.num_warps())
+    COLS: gl.constexpr = gl.SliceLayout(0, STATE)
+    ROWS: gl.constexpr = gl.SliceLayout(1, STATE)
+    p0, p1, p2, p3 = _orthonormalize(_column_sum(S, q0c0, VEC), _column_sum(S, q0c1, VEC),
+                                     _column_sum(S, q0c2, VEC), _column_sum(S, q0c3, VEC), 1)
+    p0 = gl.convert_layout(p0, COLS)
+    p1 = gl.convert_layout(p1, COLS)
+    p2 = gl.convert_layout(p2, COLS)
+    p3 = gl.convert_layout(p3, COLS)
+    c0, c1, c2, c3 = _orthonormalize(_row_sum(S, p0, VEC), _row_sum(S, p1, VEC),
+                                     _row_sum(S, p2, VEC), _row_sum(S, p3, VEC), 2)
+    c0 = gl.convert_layout(c0, ROWS)
+    c1 = gl.convert_layout(c1, ROWS)
+    c2 = gl.convert_layout(c2, ROWS)
+    c3 = gl.convert_layout(c3, ROWS)
+    U0 = _column_sum(S, c0, COLS)
+    U1 = _column_sum(S, c1, COLS)
+    U2 = _column_sum(S, c2, COLS)
+    U3 = _column_sum(S, c3, COLS)
 
     # (3) tokens; (4) residual with the rounded tokens
     u0, q0_ = _store_token(tok, 0, U0, c0, rk, rv)
