@@ -48,8 +48,7 @@ _REL_FLOOR = gl.constexpr(1e-6)
 _ABS_FLOOR = gl.constexpr(1e-36)
 # the code conversions of the tl kernel (their reasons are given there)
 _RINT_MAGIC = gl.constexpr(12582912.0)
-_CODE_BIAS_BITS = gl.constexpr(0x4B000000)
-_CODE_SIGN = gl.constexpr(0x80)
+_CODE_BIAS_BITS = gl.constexpr(0x4B000080)
 _CODE_OFFSET = gl.constexpr(8388736.0)
 _BYTE = gl.constexpr(0xFF)
 
@@ -85,19 +84,20 @@ def vector_layout(warps):
 
 
 @gluon.constexpr_function
-def column_partials_layout(warps):
-    """[16, K] per-thread partials of column sums (8 lane groups x 2 row bands at 8 warps): 8 per thread down a
-    column, two lanes per column."""
-    rows = 2 * warps
-    per = rows // 2
-    return gl.BlockedLayout([per, 1], [2, 16], [1, warps], [0, 1])
+def partials_layout(warps, axis):
+    """One partial tensor [16, K] (axis 0) or [V, 16] (axis 1) as the reduce-scatter gathers it."""
+    if axis == 0:
+        return gl.BlockedLayout([warps, 1], [2, 16], [1, warps], [0, 1])
+    return gl.BlockedLayout([1, 8], [16, 2], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def row_partials_layout(warps):
-    """[V, 16] per-thread partials of row sums (4 lane quads x 4 column bands): 8 per thread along a row, two lanes
-    per row."""
-    return gl.BlockedLayout([1, 8], [16, 2], [warps, 1], [1, 0])
+def partials4_layout(warps, axis):
+    """Four stacked partial tensors [16, K, 2, 2] (axis 0) or [V, 16, 2, 2] (axis 1) as the reduce-scatter gathers
+    them: along the summed axis 8 partials per thread and two lanes; the four operands in the same thread."""
+    if axis == 0:
+        return gl.BlockedLayout([warps, 1, 2, 2], [2, 16, 1, 1], [1, warps, 1, 1], [3, 2, 0, 1])
+    return gl.BlockedLayout([1, 8, 2, 2], [16, 2, 1, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -198,41 +198,94 @@ def _orthonormalize(c0, c1, c2, c3, PASSES: gl.constexpr):
 
 
 @gluon.jit
-def _column_sum(S, x, OUT: gl.constexpr):
-    """S^T x [K] (layout OUT) for a V-vector x (rows layout). Each thread first sums its own rows of S x; then the
-    16 partials of a column (one per lane group and row band at 8 warps) are gathered through shared memory into two
-    threads and summed there: a reduce-scatter, instead of a shuffle tree over 8 lanes that every thread runs for all
-    8 of its columns."""
-    WR: gl.constexpr = gl.num_warps() // 4
-    # rows of the state layout: row = 16 WR m + 16 wr + 8 h + grp (m: repeats down the rows, wr: the row band,
-    # h: the two row halves of an mma tile, grp: the lane group); a thread holds every m and h of its (wr, grp)
-    # (m and h brought together: one sum of 8 products per column, which the compiler turns into 8 FMAs)
-    part = gl.permute(gl.reshape(S * x[:, None], [_V // (16 * WR), WR, 2, 8, _K]), [0, 2, 1, 3, 4])
-    part = gl.sum(gl.reshape(part, [_V // (8 * WR), WR * 8, _K]), 0)
-    part = gl.convert_layout(part, column_partials_layout(gl.num_warps()))
-    return gl.convert_layout(gl.sum(part, 0), OUT)
+def _max(a, b):
+    return gl.maximum(a, b)
 
 
 @gluon.jit
-def _row_sum(S, x, OUT: gl.constexpr):
-    """S x [V] (layout OUT) for a K-vector x (columns layout), as :func:`_column_sum` along the other axis: a thread
-    sums its own 8 columns, the 16 partials of a row (4 lane quads x 4 column bands) meet in two threads."""
-    # columns of the state layout: col = 32 n + 8 wc + 2 quad + j (n: repeats across, wc: the column band, quad: the
-    # lane within its group, j: the two columns of an mma tile's fragment); a thread holds every n and j
-    part = gl.permute(gl.reshape(S * x[None, :], [_V, _K // 32, 4, 4, 2]), [0, 1, 4, 2, 3])
-    part = gl.sum(gl.reshape(part, [_V, _K // 16, 16]), 1)
-    part = gl.convert_layout(part, row_partials_layout(gl.num_warps()))
-    return gl.convert_layout(gl.sum(part, 1), OUT)
+def _own_rows(T, IS_MAX: gl.constexpr):
+    """[16 (8 at 16 warps: WR * 8), K]: each thread's sum (or max) over its own rows of T [V, K] (state layout), no
+    data crossing threads. Rows of the state layout: row = 16 WR m + 16 wr + 8 h + grp (m: repeats down the rows, wr:
+    the row band, h: the two row halves of an mma tile, grp: the lane group); a thread holds every m and h of its
+    (wr, grp), brought together so that a sum of products becomes one chain of FMAs."""
+    WR: gl.constexpr = gl.num_warps() // 4
+    part = gl.permute(gl.reshape(T, [_V // (16 * WR), WR, 2, 8, _K]), [0, 2, 1, 3, 4])
+    part = gl.reshape(part, [_V // (8 * WR), WR * 8, _K])
+    if IS_MAX:
+        return gl.max(part, 0)
+    return gl.sum(part, 0)
+
+
+@gluon.jit
+def _own_columns(T, IS_MAX: gl.constexpr):
+    """[V, 16]: each thread's sum (or max) over its own columns of T [V, K] (state layout). Columns: col = 32 n +
+    8 wc + 2 quad + j (n: repeats across, wc: the column band, quad: the lane in its group, j: the two columns of an
+    mma fragment); a thread holds every n and j of its (wc, quad)."""
+    part = gl.permute(gl.reshape(T, [_V, _K // 32, 4, 4, 2]), [0, 1, 4, 2, 3])
+    part = gl.reshape(part, [_V, _K // 16, 16])
+    if IS_MAX:
+        return gl.max(part, 1)
+    return gl.sum(part, 1)
+
+
+@gluon.jit
+def _finish4(a, b, c, d, AXIS: gl.constexpr, OUT: gl.constexpr):
+    """Four partial tensors ([16, K] with AXIS 0, or [V, 16] with AXIS 1) summed along AXIS, all four through ONE
+    shared-memory exchange (one pair of barriers): each partial row (column) is gathered into two threads, which add
+    its 8 + 8 values (a reduce-scatter: no thread reduces what it does not keep)."""
+    four = gl.join(gl.join(a, b), gl.join(c, d))
+    four = gl.convert_layout(four, partials4_layout(gl.num_warps(), AXIS))
+    ab, cd = gl.split(gl.sum(four, AXIS))
+    a, b = gl.split(ab)
+    c, d = gl.split(cd)
+    return (gl.convert_layout(a, OUT), gl.convert_layout(b, OUT), gl.convert_layout(c, OUT),
+            gl.convert_layout(d, OUT))
+
+
+@gluon.jit
+def _finish1(part, AXIS: gl.constexpr, IS_MAX: gl.constexpr, OUT: gl.constexpr):
+    """One partial tensor reduced along AXIS as in :func:`_finish4` (sum, or max)."""
+    part = gl.convert_layout(part, partials_layout(gl.num_warps(), AXIS))
+    if IS_MAX:
+        return gl.convert_layout(gl.max(part, AXIS), OUT)
+    return gl.convert_layout(gl.sum(part, AXIS), OUT)
+
+
+@gluon.jit
+def _column_products(S, x0, x1, x2, x3, OUT: gl.constexpr):
+    """S^T x [K] (layout OUT) for four V-vectors x (rows layout)."""
+    return _finish4(_own_rows(S * x0[:, None], False), _own_rows(S * x1[:, None], False),
+                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0, OUT)
+
+
+@gluon.jit
+def _row_products(S, x0, x1, x2, x3, OUT: gl.constexpr):
+    """S x [V] (layout OUT) for four K-vectors x (columns layout)."""
+    return _finish4(_own_columns(S * x0[None, :], False), _own_columns(S * x1[None, :], False),
+                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1, OUT)
 
 
 @gluon.jit
 def _store_token(tok, r: gl.constexpr, U_r, Q_r, rk, rv):
-    """Token row r: u = fp16(clamp(U_r)), q = fp16(Q_r) to the pool; returns both rounded, as fp32."""
-    u16 = gl.minimum(gl.maximum(U_r, -_FP16_MAX), _FP16_MAX).to(gl.float16)
-    q16 = Q_r.to(gl.float16)
-    gl.store(tok + r * _TOK_ROW + rk, u16)
-    gl.store(tok + r * _TOK_ROW + _K + rv, q16)
-    return u16.to(gl.float32), q16.to(gl.float32)
+    """Token row r: u = fp16(clamp(U_r)), q = fp16(Q_r) to the pool."""
+    gl.store(tok + r * _TOK_ROW + rk, gl.minimum(gl.maximum(U_r, -_FP16_MAX), _FP16_MAX).to(gl.float16))
+    gl.store(tok + r * _TOK_ROW + _K + rv, Q_r.to(gl.float16))
+
+
+@gluon.jit
+def _load_tokens(tok):
+    """The checkpoint's tokens as mma operands: q^T [V, 16] and u [16, K] fp16, ranks 4..15 zero (k = 16 of an fp16
+    mma; the padding contributes exact zeros)."""
+    STATE: gl.constexpr = state_layout(gl.num_warps())
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=STATE, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=STATE, k_width=2)
+    ta_r = gl.arange(0, _RPAD, layout=gl.SliceLayout(0, A_OP))
+    ta_v = gl.arange(0, _V, layout=gl.SliceLayout(1, A_OP))
+    qT = gl.load(tok + ta_r[None, :] * _TOK_ROW + _K + ta_v[:, None], mask=ta_r[None, :] < _R, other=0.0)
+    tb_r = gl.arange(0, _RPAD, layout=gl.SliceLayout(1, B_OP))
+    tb_k = gl.arange(0, _K, layout=gl.SliceLayout(0, B_OP))
+    u = gl.load(tok + tb_r[:, None] * _TOK_ROW + tb_k[None, :], mask=tb_r[:, None] < _R, other=0.0)
+    return qT, u
 
 
 @gluon.jit
@@ -245,20 +298,15 @@ def _rebuild(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog, rv, r
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=STATE, k_width=2)
     WINDOW: gl.constexpr = window_layout(gl.num_warps())
     WINDOW_T: gl.constexpr = window_t_layout(gl.num_warps())
-    codes = gl.load(codes_p)
+    codes = gl.load(codes_p.to(gl.pointer_type(gl.int8)))
     col = gl.load(sk_p) * (1.0 / _QMAX)
     s_v = gl.load(sv_p)
-    # a code byte c as (c ^ 0x80) in the low mantissa byte of 2^23: the float 2^23 + 128 + c, from which subtracting
+    # a code c in [-127, 127] plus the bits of 2^23 + 128 is the float 2^23 + 128 + c, from which subtracting
     # 2^23 + 128 is exact (no integer-to-float conversion)
-    biased = ((codes.to(gl.int32) ^ _CODE_SIGN) | _CODE_BIAS_BITS).to(gl.float32, bitcast=True)
+    biased = (codes.to(gl.int32) + _CODE_BIAS_BITS).to(gl.float32, bitcast=True)
     S = (biased - _CODE_OFFSET) * col[None, :] * s_v[:, None]
-    # old tokens: q^T [V, 16] x u [16, K] in fp16 (rows / columns 4..15 zero): exact products, fp32 sums
-    ta_r = gl.arange(0, _RPAD, layout=gl.SliceLayout(0, A_OP))
-    ta_v = gl.arange(0, _V, layout=gl.SliceLayout(1, A_OP))
-    qT = gl.load(tok + ta_r[None, :] * _TOK_ROW + _K + ta_v[:, None], mask=ta_r[None, :] < _R, other=0.0)
-    tb_r = gl.arange(0, _RPAD, layout=gl.SliceLayout(1, B_OP))
-    tb_k = gl.arange(0, _K, layout=gl.SliceLayout(0, B_OP))
-    u = gl.load(tok + tb_r[:, None] * _TOK_ROW + tb_k[None, :], mask=tb_r[:, None] < _R, other=0.0)
+    # old tokens: q^T [V, 16] x u [16, K] in fp16 on the tensor cores: exact products, fp32 sums
+    qT, u = _load_tokens(tok)
     S = mma_v2(qT, u, S)
     if IS_KDA:
         S = S * gl.exp(gl.load(gp + rk))[None, :]
@@ -314,39 +362,36 @@ def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     VEC: gl.constexpr = vector_layout(gl.num_warps())
     COLS: gl.constexpr = gl.SliceLayout(0, STATE)
     ROWS: gl.constexpr = gl.SliceLayout(1, STATE)
-    p0, p1, p2, p3 = _orthonormalize(_column_sum(S, q0c0, VEC), _column_sum(S, q0c1, VEC),
-                                     _column_sum(S, q0c2, VEC), _column_sum(S, q0c3, VEC), 1)
+    p0, p1, p2, p3 = _column_products(S, q0c0, q0c1, q0c2, q0c3, VEC)
+    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, 1)
     p0 = gl.convert_layout(p0, COLS)
     p1 = gl.convert_layout(p1, COLS)
     p2 = gl.convert_layout(p2, COLS)
     p3 = gl.convert_layout(p3, COLS)
-    c0, c1, c2, c3 = _orthonormalize(_row_sum(S, p0, VEC), _row_sum(S, p1, VEC),
-                                     _row_sum(S, p2, VEC), _row_sum(S, p3, VEC), 2)
+    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3, VEC)
+    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)
     c0 = gl.convert_layout(c0, ROWS)
     c1 = gl.convert_layout(c1, ROWS)
     c2 = gl.convert_layout(c2, ROWS)
     c3 = gl.convert_layout(c3, ROWS)
-    U0 = _column_sum(S, c0, COLS)
-    U1 = _column_sum(S, c1, COLS)
-    U2 = _column_sum(S, c2, COLS)
-    U3 = _column_sum(S, c3, COLS)
+    U0, U1, U2, U3 = _column_products(S, c0, c1, c2, c3, COLS)
 
-    # (3) tokens; (4) residual with the rounded tokens
-    u0, q0_ = _store_token(tok, 0, U0, c0, rk, rv)
-    u1, q1_ = _store_token(tok, 1, U1, c1, rk, rv)
-    u2, q2_ = _store_token(tok, 2, U2, c2, rk, rv)
-    u3, q3_ = _store_token(tok, 3, U3, c3, rk, rv)
-    E = S - q0_[:, None] * u0[None, :]
-    E = E - q1_[:, None] * u1[None, :]
-    E = E - q2_[:, None] * u2[None, :]
-    E = E - q3_[:, None] * u3[None, :]
+    # (3) tokens; (4) residual E = S - q^T u with exactly the stored (fp16) tokens, on the tensor cores: they are
+    #     read back as mma operands after a barrier (the CTA's stores are then visible to all its threads)
+    _store_token(tok, 0, U0, c0, rk, rv)
+    _store_token(tok, 1, U1, c1, rk, rv)
+    _store_token(tok, 2, U2, c2, rk, rv)
+    _store_token(tok, 3, U3, c3, rk, rv)
+    gl.thread_barrier()
+    qT, u = _load_tokens(tok)
+    E = mma_v2(-qT, u, S)
 
     # (5) smoothing scales (one rsqrt per column, as the tl kernel)
-    m = gl.maximum(gl.sum(gl.abs(E), 0) * (1.0 / _V), _EPS * _EPS)
+    m = gl.maximum(_finish1(_own_rows(gl.abs(E), False), 0, False, COLS) * (1.0 / _V), _EPS * _EPS)
     inv_sk = gl.rsqrt(m)
     s_k = gl.maximum(m * inv_sk, _EPS)
     x = E * inv_sk[None, :]
-    s_v = gl.maximum(gl.max(gl.abs(x), 1), _EPS)
+    s_v = gl.maximum(_finish1(_own_columns(gl.abs(x), True), 1, True, ROWS), _EPS)
     gl.store(sk_p, s_k)
     gl.store(sv_p, s_v)
 
