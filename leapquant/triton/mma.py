@@ -19,7 +19,7 @@ import math
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V)
 
@@ -98,6 +98,24 @@ def partials4_layout(warps, axis):
     if axis == 0:
         return gl.BlockedLayout([warps, 1, 2, 2], [2, 16, 1, 1], [1, warps, 1, 1], [3, 2, 0, 1])
     return gl.BlockedLayout([1, 8, 2, 2], [16, 2, 1, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def bytes_layout(warps):
+    """[V, K] int8 codes as 16-byte vectors: 16 consecutive codes of a row per thread."""
+    return gl.BlockedLayout([1, 16], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def halves_layout(warps):
+    """[L, K] 16-bit window tensors as 16-byte vectors: 8 consecutive entries of a row per thread (for 8 warps)."""
+    return gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def tokens_layout(warps):
+    """[R or 16, K + V] fp16 token rows: 4 consecutive halves (8 bytes) per thread."""
+    return gl.BlockedLayout([1, 4], [1, 32], [2, warps // 2], [1, 0])
 
 
 @gluon.constexpr_function
@@ -266,103 +284,126 @@ def _row_products(S, x0, x1, x2, x3, OUT: gl.constexpr):
 
 
 @gluon.jit
-def _store_token(tok, r: gl.constexpr, U_r, Q_r, rk, rv):
-    """Token row r: u = fp16(clamp(U_r)), q = fp16(Q_r) to the pool."""
-    gl.store(tok + r * _TOK_ROW + rk, gl.minimum(gl.maximum(U_r, -_FP16_MAX), _FP16_MAX).to(gl.float16))
-    gl.store(tok + r * _TOK_ROW + _K + rv, Q_r.to(gl.float16))
+def _region(code, H, SS):
+    """Code slot * H + head (int64) -> (first fp32 word of the (slot, head) region, the program's window row)."""
+    slot = code // H
+    head = code % H
+    return gl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, _ALIGN), slot * H + head
 
 
 @gluon.jit
-def _load_tokens(tok):
-    """The checkpoint's tokens as mma operands: q^T [V, 16] and u [16, K] fp16, ranks 4..15 zero (k = 16 of an fp16
-    mma; the padding contributes exact zeros)."""
+def _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, valid, H, SS,
+              IS_KDA: gl.constexpr):
+    """Start copying program ``code``'s inputs (old checkpoint, window, gate) into the shared buffers (cp.async, one
+    commit group; every copy is 16 bytes where the data allows). Nothing is copied where ``valid`` is false."""
+    codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
+    BYTES: gl.constexpr = bytes_layout(gl.num_warps())
+    HALVES: gl.constexpr = halves_layout(gl.num_warps())
+    WORDS: gl.constexpr = flat_layout(gl.num_warps())
+    TOKENS: gl.constexpr = tokens_layout(gl.num_warps())
+    region, prog = _region(code, H, SS)
+    cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
+    ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
+    async_copy.async_copy_global_to_shared(codes_s, raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :],
+                                           mask=valid)
+    sc = gl.arange(0, _K + _V, layout=WORDS)
+    async_copy.async_copy_global_to_shared(sc_s, raw_f32 + region + _SK_WORD + sc, mask=valid)
+    tr = gl.arange(0, _R, layout=gl.SliceLayout(1, TOKENS))
+    tc = gl.arange(0, _TOK_ROW, layout=gl.SliceLayout(0, TOKENS))
+    async_copy.async_copy_global_to_shared(tok_s.slice(0, _R), raw_f16 + region * 2 + _TOK_HALF + tr[:, None] * _TOK_ROW
+                                           + tc[None, :], mask=valid)
+    wl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
+    wk = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
+    window = gl.multiple_of(prog * (_L * _K), _L * _K) + wl[:, None] * _K + wk[None, :]
+    async_copy.async_copy_global_to_shared(kb_s, kbuf_ptr + window, mask=valid)
+    async_copy.async_copy_global_to_shared(ub_s, ubuf_ptr + window, mask=valid)
+    wv = gl.arange(0, _L, layout=WORDS)
+    async_copy.async_copy_global_to_shared(w_s, w_ptr + prog * _L + wv, mask=valid)
+    if IS_KDA:
+        # shifted by one entry (row j holds gbuf[j + 1]; the last row is zero-filled and read as one)
+        async_copy.async_copy_global_to_shared(gb_s, gbuf_ptr + window + _K, mask=valid & (wl[:, None] + 1 < _L))
+        pk = gl.arange(0, _K, layout=WORDS)
+        async_copy.async_copy_global_to_shared(pc_s, gate_ptr + prog * _K + pk, mask=valid)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _token_operands(tok_s):
+    """Tokens in shared memory [16, K + V] fp16 (rows R.. zero) as mma operands: q^T [V, 16] and u [16, K] (k = 16 of
+    an fp16 mma; the zero ranks contribute exact zeros)."""
     STATE: gl.constexpr = state_layout(gl.num_warps())
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=STATE, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=STATE, k_width=2)
-    ta_r = gl.arange(0, _RPAD, layout=gl.SliceLayout(0, A_OP))
-    ta_v = gl.arange(0, _V, layout=gl.SliceLayout(1, A_OP))
-    qT = gl.load(tok + ta_r[None, :] * _TOK_ROW + _K + ta_v[:, None], mask=ta_r[None, :] < _R, other=0.0)
-    tb_r = gl.arange(0, _RPAD, layout=gl.SliceLayout(1, B_OP))
-    tb_k = gl.arange(0, _K, layout=gl.SliceLayout(0, B_OP))
-    u = gl.load(tok + tb_r[:, None] * _TOK_ROW + tb_k[None, :], mask=tb_r[:, None] < _R, other=0.0)
-    return qT, u
+    return tok_s.slice(_K, _V, dim=1).permute([1, 0]).load(A_OP), tok_s.slice(0, _K, dim=1).load(B_OP)
 
 
 @gluon.jit
-def _rebuild(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog, rv, rk, IS_KDA: gl.constexpr):
+def _rebuild(bufs, gate_ptr, prog, IS_KDA: gl.constexpr):
     """S [V, K] fp32 (state layout) = (codes s_k / 127 s_v + q^T u) * gate + ubuf^T keys, keys_j = w_j kbuf_j D_j
-    (D_j = prod_{i > j} gbuf_i): the dequantisation on the CUDA cores, both rank updates on the tensor cores with
-    exact operands."""
+    (D_j = prod_{i > j} gbuf_i), from the shared buffers: the dequantisation on the CUDA cores, both rank updates on
+    the tensor cores with exact operands."""
+    codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
     STATE: gl.constexpr = state_layout(gl.num_warps())
+    COLS: gl.constexpr = gl.SliceLayout(0, STATE)
+    ROWS: gl.constexpr = gl.SliceLayout(1, STATE)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=STATE, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=STATE, k_width=2)
     WINDOW: gl.constexpr = window_layout(gl.num_warps())
-    WINDOW_T: gl.constexpr = window_t_layout(gl.num_warps())
-    codes = gl.load(codes_p.to(gl.pointer_type(gl.int8)))
-    col = gl.load(sk_p) * (1.0 / _QMAX)
-    s_v = gl.load(sv_p)
+    codes = codes_s.load(STATE)
+    col = sc_s.slice(0, _K).load(COLS) * (1.0 / _QMAX)
+    s_v = sc_s.slice(_K, _V).load(ROWS)
     # a code c in [-127, 127] plus the bits of 2^23 + 128 is the float 2^23 + 128 + c, from which subtracting
     # 2^23 + 128 is exact (no integer-to-float conversion)
     biased = (codes.to(gl.int32) + _CODE_BIAS_BITS).to(gl.float32, bitcast=True)
     S = (biased - _CODE_OFFSET) * col[None, :] * s_v[:, None]
     # old tokens: q^T [V, 16] x u [16, K] in fp16 on the tensor cores: exact products, fp32 sums
-    qT, u = _load_tokens(tok)
+    qT, u = _token_operands(tok_s)
     S = mma_v2(qT, u, S)
     if IS_KDA:
-        S = S * gl.exp(gl.load(gp + rk))[None, :]
+        S = S * gl.exp(pc_s.load(COLS))[None, :]
     else:
         S = S * gl.load(gate_ptr + prog)
     # the window: keys in fp32, split into bf16 hi + lo (hi = round(key), lo = round(key - hi): 2^-17 relative)
-    wl = gl.arange(0, _L, layout=gl.SliceLayout(1, WINDOW))
-    wk = gl.arange(0, _K, layout=gl.SliceLayout(0, WINDOW))
-    keys = gl.load(kb + wl[:, None] * _K + wk[None, :]).to(gl.float32) * gl.load(wp + wl)[:, None]
+    keys = kb_s.load(WINDOW).to(gl.float32) * w_s.load(gl.SliceLayout(1, WINDOW))[:, None]
     if IS_KDA:
-        g_next = gl.load(gb + (wl[:, None] + 1) * _K + wk[None, :], mask=wl[:, None] + 1 < _L, other=1.0)
-        keys = keys * gl.associative_scan(g_next.to(gl.float32), 0, _mul, reverse=True)
+        # the gate buffer holds g_next[j] = gbuf[j + 1] (the last row, past the window, is one); D_j by a reverse
+        # product scan
+        wl = gl.arange(0, _L, layout=gl.SliceLayout(1, WINDOW))
+        g_next = gl.where(wl[:, None] + 1 < _L, gb_s.load(WINDOW).to(gl.float32), 1.0)
+        keys = keys * gl.associative_scan(g_next, 0, _mul, reverse=True)
     hi = keys.to(gl.bfloat16)
     lo = (keys - hi.to(gl.float32)).to(gl.bfloat16)
-    ul = gl.arange(0, _L, layout=gl.SliceLayout(0, WINDOW_T))
-    uv = gl.arange(0, _V, layout=gl.SliceLayout(1, WINDOW_T))
-    ubT = gl.convert_layout(gl.load(ub + ul[None, :] * _V + uv[:, None]), A_OP)
+    ubT = ub_s.permute([1, 0]).load(A_OP)
     S = mma_v2(ubT, gl.convert_layout(hi, B_OP), S)
     S = mma_v2(ubT, gl.convert_layout(lo, B_OP), S)
     return S
 
 
 @gluon.jit
-def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
-               slot, head, H, SS, IS_KDA: gl.constexpr):
-    """Flush program (slot, head) in place (slot, head int64 scalars)."""
+def _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr,
+               code, code_next, has_next, H, SS, IS_KDA: gl.constexpr):
+    """Flush program ``code`` (its inputs already in the shared buffers) in place, and start the copies of
+    ``code_next``'s inputs as soon as the buffers are free."""
     STATE: gl.constexpr = state_layout(gl.num_warps())
-    WINDOW: gl.constexpr = window_layout(gl.num_warps())
-    FLAT: gl.constexpr = flat_layout(gl.num_warps())
-    rv = gl.arange(0, _V, layout=gl.SliceLayout(1, STATE))
-    rk = gl.arange(0, _K, layout=gl.SliceLayout(0, STATE))
-    region = gl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, _ALIGN)
-    prog = slot * H + head
-    kb = kbuf_ptr + gl.multiple_of(prog * (_L * _K), _L * _K)
-    ub = ubuf_ptr + gl.multiple_of(prog * (_L * _V), _L * _V)
-    wp = w_ptr + gl.multiple_of(prog * _L, _L)
-    gb = gbuf_ptr + gl.multiple_of(prog * (_L * _K), _L * _K)
-    gp = gate_ptr + gl.multiple_of(prog * _K, _K)
-    codes_p = raw_u8 + region * 4 + _CODES_BYTE + rv[:, None] * _K + rk[None, :]
-    sk_p = raw_f32 + region + _SK_WORD + rk
-    sv_p = raw_f32 + region + _SV_WORD + rv
-    tok = raw_f16 + region * 2 + _TOK_HALF
-
-    # (1) rebuild (its loads of the old checkpoint all complete before the first cross-warp reduction below, whose
-    #     barrier orders them before any thread's stores of the new one)
-    S = _rebuild(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog, rv, rk, IS_KDA)
-
-    # (2) one subspace iteration from q0: P = orth(S^T q0) (one CholeskyQR pass), Q = orth(S P), U = S^T Q
-    q0c0 = gl.load(q0_ptr + rv * _R + 0)
-    q0c1 = gl.load(q0_ptr + rv * _R + 1)
-    q0c2 = gl.load(q0_ptr + rv * _R + 2)
-    q0c3 = gl.load(q0_ptr + rv * _R + 3)
-    VEC: gl.constexpr = vector_layout(gl.num_warps())
     COLS: gl.constexpr = gl.SliceLayout(0, STATE)
     ROWS: gl.constexpr = gl.SliceLayout(1, STATE)
-    p0, p1, p2, p3 = _column_products(S, q0c0, q0c1, q0c2, q0c3, VEC)
+    VEC: gl.constexpr = vector_layout(gl.num_warps())
+    FLAT: gl.constexpr = flat_layout(gl.num_warps())
+    BYTES: gl.constexpr = bytes_layout(gl.num_warps())
+    HALVES: gl.constexpr = halves_layout(gl.num_warps())
+    rv = gl.arange(0, _V, layout=ROWS)
+    rk = gl.arange(0, _K, layout=COLS)
+    region, prog = _region(code, H, SS)
+
+    # (1) rebuild, from the shared buffers; once every thread has read them, they take the next program's copies
+    S = _rebuild(bufs, gate_ptr, prog, IS_KDA)
+    gl.thread_barrier()
+    _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code_next, has_next, H,
+              SS, IS_KDA)
+
+    # (2) one subspace iteration from q0: P = orth(S^T q0) (one CholeskyQR pass), Q = orth(S P), U = S^T Q
+    p0, p1, p2, p3 = _column_products(S, q0_s.slice(0, _V).load(ROWS), q0_s.slice(_V, _V).load(ROWS),
+                                      q0_s.slice(2 * _V, _V).load(ROWS), q0_s.slice(3 * _V, _V).load(ROWS), VEC)
     p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, 1)
     p0 = gl.convert_layout(p0, COLS)
     p1 = gl.convert_layout(p1, COLS)
@@ -376,54 +417,105 @@ def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     c3 = gl.convert_layout(c3, ROWS)
     U0, U1, U2, U3 = _column_products(S, c0, c1, c2, c3, COLS)
 
-    # (3) tokens; (4) residual E = S - q^T u with exactly the stored (fp16) tokens, on the tensor cores: they are
-    #     read back as mma operands after a barrier (the CTA's stores are then visible to all its threads)
-    _store_token(tok, 0, U0, c0, rk, rv)
-    _store_token(tok, 1, U1, c1, rk, rv)
-    _store_token(tok, 2, U2, c2, rk, rv)
-    _store_token(tok, 3, U3, c3, rk, rv)
+    # (3) tokens u = fp16(clamp(U^T)), q = fp16(Q^T), to the pool and to shared memory; (4) the residual
+    #     E = S - q^T u with exactly those fp16 tokens, on the tensor cores (operands read back after a barrier)
+    tok = raw_f16 + region * 2 + _TOK_HALF
+    _store_token(tok, new_s, 0, U0, c0, rk, rv)
+    _store_token(tok, new_s, 1, U1, c1, rk, rv)
+    _store_token(tok, new_s, 2, U2, c2, rk, rv)
+    _store_token(tok, new_s, 3, U3, c3, rk, rv)
     gl.thread_barrier()
-    qT, u = _load_tokens(tok)
+    qT, u = _token_operands(new_s)
     E = mma_v2(-qT, u, S)
 
-    # (5) smoothing scales (one rsqrt per column, as the tl kernel)
+    # (5) smoothing scales (one rsqrt per column: m * rsqrt(m) is sqrt(m) to ~2 ulp, as in the tl kernel)
     m = gl.maximum(_finish1(_own_rows(gl.abs(E), False), 0, False, COLS) * (1.0 / _V), _EPS * _EPS)
     inv_sk = gl.rsqrt(m)
     s_k = gl.maximum(m * inv_sk, _EPS)
     x = E * inv_sk[None, :]
     s_v = gl.maximum(_finish1(_own_columns(gl.abs(x), True), 1, True, ROWS), _EPS)
-    gl.store(sk_p, s_k)
-    gl.store(sv_p, s_v)
+    gl.store(raw_f32 + region + _SK_WORD + rk, s_k)
+    gl.store(raw_f32 + region + _SV_WORD + rv, s_v)
 
-    # (6) codes = round_half_even(127 x / s_v), by the 1.5 * 2^23 addition
+    # (6) codes = round_half_even(127 x / s_v), by the 1.5 * 2^23 addition (|x| <= s_v: no clamp needed); stored
+    #     as 16-byte vectors after one exchange through shared memory (the state layout's two-byte pieces were 32
+    #     stores per thread, and the store queue throttled the end of every item)
     y = x * (_QMAX / s_v)[:, None]
-    gl.store(codes_p, ((y + _RINT_MAGIC).to(gl.int32, bitcast=True) & _BYTE).to(gl.uint8))
+    codes = gl.convert_layout(((y + _RINT_MAGIC).to(gl.int32, bitcast=True) & _BYTE).to(gl.uint8), BYTES)
+    cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
+    ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
+    gl.store(raw_u8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :], codes)
 
-    # (7) window reset
-    wl = gl.arange(0, _L, layout=gl.SliceLayout(1, WINDOW))
-    wk = gl.arange(0, _K, layout=gl.SliceLayout(0, WINDOW))
-    gl.store(wp + gl.arange(0, _L, layout=FLAT), gl.zeros([_L], gl.float32, layout=FLAT))
+    # (7) window reset (hcnt stays L: "flushed, empty")
+    gl.store(w_ptr + prog * _L + gl.arange(0, _L, layout=FLAT), gl.zeros([_L], gl.float32, layout=FLAT))
     if IS_KDA:
-        gl.store(gp + gl.arange(0, _K, layout=FLAT), gl.zeros([_K], gl.float32, layout=FLAT))
-        gl.store(gb + wl[:, None] * _K + wk[None, :], gl.full([_L, _K], 1.0, gl.float16, layout=WINDOW))
+        gl.store(gate_ptr + prog * _K + gl.arange(0, _K, layout=FLAT), gl.zeros([_K], gl.float32, layout=FLAT))
+        rl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
+        rk16 = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
+        gl.store(gbuf_ptr + prog * (_L * _K) + rl[:, None] * _K + rk16[None, :],
+                 gl.full([_L, _K], 1.0, gl.float16, layout=HALVES))
     else:
         gl.store(gate_ptr + prog, 1.0)
+
+
+@gluon.jit
+def _store_token(tok, new_s, r: gl.constexpr, U_r, Q_r, rk, rv):
+    """Token row r: u = fp16(clamp(U_r)), q = fp16(Q_r), to the pool and to row r of ``new_s``."""
+    u16 = gl.minimum(gl.maximum(U_r, -_FP16_MAX), _FP16_MAX).to(gl.float16)
+    q16 = Q_r.to(gl.float16)
+    gl.store(tok + r * _TOK_ROW + rk, u16)
+    gl.store(tok + r * _TOK_ROW + _K + rv, q16)
+    row = new_s.slice(r, 1)
+    row.slice(0, _K, dim=1).store(u16[None, :])
+    row.slice(_K, _V, dim=1).permute([1, 0]).store(q16[:, None])
 
 
 @gluon.jit(do_not_specialize=["N", "num_slots", "SS"], do_not_specialize_on_alignment=["q0_ptr", "idx_ptr"])
 def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, idx_ptr, hcnt_ptr,
               due_ptr, N, num_slots, SS, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
               IS_KDA: gl.constexpr, CHUNK: gl.constexpr, TW: gl.constexpr):
-    """Persistent program ``pid`` of ``G``: the same arguments as flush._flush_due (the interpreter's kernel)."""
+    """Persistent program ``pid`` of ``G``: the same arguments as flush._flush_due (the interpreter's kernel). Ranks
+    the due programs, then flushes its items pid, pid + G, ..., each one's inputs copied into shared memory while the
+    previous item computes."""
+    HALVES: gl.constexpr = halves_layout(gl.num_warps())
+    TOKENS: gl.constexpr = tokens_layout(gl.num_warps())
     pid = gl.program_id(0)
     total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK, TW)
+
+    # the shared buffers of one program's inputs: codes int8 [V, K] (16-byte chunks XOR-swizzled by row, so that the
+    # state layout's reads down 8 rows hit 8 different banks), s_k | s_v fp32, tokens fp16 [16, K + V] (rows R.. stay
+    # zero: the k = 16 padding of the token mma), kbuf, ubuf, gbuf shifted by one entry, w, pcum; and the new
+    # tokens [16, K + V] (rows R.. zero)
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+    sc_s = gl.allocate_shared_memory(gl.float32, [_K + _V], PLAIN1)
+    tok_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], PLAIN2,
+                                      gl.zeros([_RPAD, _TOK_ROW], gl.float16, layout=TOKENS))
+    new_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], PLAIN2,
+                                      gl.zeros([_RPAD, _TOK_ROW], gl.float16, layout=TOKENS))
+    kb_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _K], PLAIN2)
+    ub_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _V], PLAIN2)
+    gb_s = gl.allocate_shared_memory(gl.float16, [_L, _K], PLAIN2)
+    w_s = gl.allocate_shared_memory(gl.float32, [_L], PLAIN1)
+    pc_s = gl.allocate_shared_memory(gl.float32, [_K], PLAIN1)
+    bufs = (codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s)
+    # q0 [V, R] once per program, column by column (q0_s[r V + v] = q0[v, r])
+    qi = gl.arange(0, _R * _V, layout=flat_layout(gl.num_warps()))
+    q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1, gl.load(q0_ptr + (qi % _V) * _R + qi // _V))
+    raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
     gl.thread_barrier()
+
     t = pid
     code = gl.load(due_ptr + t, mask=t < total, other=0).to(gl.int64)
+    _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, t < total, H, SS,
+              IS_KDA)
     while t < total:
         t_next = t + G
         code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
-        _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
-                   code // H, code % H, H, SS, IS_KDA)
+        async_copy.wait_group(0)
+        gl.thread_barrier()                      # every thread's copies of this item landed and are visible
+        _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
+                   gbuf_ptr, code, code_next, t_next < total, H, SS, IS_KDA)
         code = code_next
         t = t_next
