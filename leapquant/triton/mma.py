@@ -113,9 +113,39 @@ def halves_layout(warps):
 
 
 @gluon.constexpr_function
+def vector4_layout(warps):
+    """Four 128-vectors stacked [128, 2, 2], each in the vector layout (split: four vector-layout tensors)."""
+    return gl.BlockedLayout([4, 2, 2], [32, 1, 1], [warps, 1, 1], [0, 1, 2])
+
+
+@gluon.constexpr_function
+def stacked4_layout(vector):
+    """Four stacked copies [n, 2, 2] of a 1-D layout given as its linear layout (``gl.to_linear_layout``): the two
+    new dimensions in registers, so that splitting them gives four tensors of the original distribution."""
+    def lift(bases):
+        return [[b[0], 0, 0] for b in bases]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1, 0], [0, 0, 1]] + lift(vector.reg_bases),
+                                      lane_bases=lift(vector.lane_bases), warp_bases=lift(vector.warp_bases),
+                                      block_bases=lift(vector.block_bases), shape=[vector.shape[0], 2, 2])
+
+
+@gluon.jit
+def _redistribute4(a, b, c, d, OUT: gl.constexpr):
+    """Four vector-layout 128-vectors into layout OUT (a 1-D slice of the state layout) through one shared-memory
+    exchange (one pair of barriers instead of four)."""
+    OUT4: gl.constexpr = stacked4_layout(gl.to_linear_layout(OUT, [_V]))
+    ab, cd = gl.split(gl.convert_layout(gl.join(gl.join(a, b), gl.join(c, d)), OUT4))
+    a, b = gl.split(ab)
+    c, d = gl.split(cd)
+    return (gl.convert_layout(a, OUT, assert_trivial=True), gl.convert_layout(b, OUT, assert_trivial=True),
+            gl.convert_layout(c, OUT, assert_trivial=True), gl.convert_layout(d, OUT, assert_trivial=True))
+
+
+@gluon.constexpr_function
 def tokens_layout(warps):
-    """[R or 16, K + V] fp16 token rows: 4 consecutive halves (8 bytes) per thread."""
-    return gl.BlockedLayout([1, 4], [1, 32], [2, warps // 2], [1, 0])
+    """[R, K + V] fp16 token rows (and their zero padding): 4 consecutive halves (8 bytes) per thread, one row per
+    two warps (8 warps)."""
+    return gl.BlockedLayout([1, 4], [1, 32], [warps // 2, 2], [1, 0])
 
 
 @gluon.constexpr_function
@@ -247,17 +277,19 @@ def _own_columns(T, IS_MAX: gl.constexpr):
 
 
 @gluon.jit
-def _finish4(a, b, c, d, AXIS: gl.constexpr, OUT: gl.constexpr):
-    """Four partial tensors ([16, K] with AXIS 0, or [V, 16] with AXIS 1) summed along AXIS, all four through ONE
-    shared-memory exchange (one pair of barriers): each partial row (column) is gathered into two threads, which add
-    its 8 + 8 values (a reduce-scatter: no thread reduces what it does not keep)."""
+def _finish4(a, b, c, d, AXIS: gl.constexpr):
+    """Four partial tensors ([16, K] with AXIS 0, or [V, 16] with AXIS 1) summed along AXIS into four 128-vectors
+    (vector layout). All four go through ONE shared-memory exchange: each partial row (column) is gathered into two
+    threads, which add its 8 + 8 values (a reduce-scatter: no thread reduces what it does not keep); the four sums
+    then through one more, to every warp."""
     four = gl.join(gl.join(a, b), gl.join(c, d))
     four = gl.convert_layout(four, partials4_layout(gl.num_warps(), AXIS))
-    ab, cd = gl.split(gl.sum(four, AXIS))
+    ab, cd = gl.split(gl.convert_layout(gl.sum(four, AXIS), vector4_layout(gl.num_warps())))
     a, b = gl.split(ab)
     c, d = gl.split(cd)
-    return (gl.convert_layout(a, OUT), gl.convert_layout(b, OUT), gl.convert_layout(c, OUT),
-            gl.convert_layout(d, OUT))
+    VEC: gl.constexpr = vector_layout(gl.num_warps())          # (the same distribution: no data moves)
+    return (gl.convert_layout(a, VEC, assert_trivial=True), gl.convert_layout(b, VEC, assert_trivial=True),
+            gl.convert_layout(c, VEC, assert_trivial=True), gl.convert_layout(d, VEC, assert_trivial=True))
 
 
 @gluon.jit
@@ -270,17 +302,17 @@ def _finish1(part, AXIS: gl.constexpr, IS_MAX: gl.constexpr, OUT: gl.constexpr):
 
 
 @gluon.jit
-def _column_products(S, x0, x1, x2, x3, OUT: gl.constexpr):
-    """S^T x [K] (layout OUT) for four V-vectors x (rows layout)."""
+def _column_products(S, x0, x1, x2, x3):
+    """S^T x [K] (vector layout) for four V-vectors x (rows layout)."""
     return _finish4(_own_rows(S * x0[:, None], False), _own_rows(S * x1[:, None], False),
-                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0, OUT)
+                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0)
 
 
 @gluon.jit
-def _row_products(S, x0, x1, x2, x3, OUT: gl.constexpr):
-    """S x [V] (layout OUT) for four K-vectors x (columns layout)."""
+def _row_products(S, x0, x1, x2, x3):
+    """S x [V] (vector layout) for four K-vectors x (columns layout)."""
     return _finish4(_own_columns(S * x0[None, :], False), _own_columns(S * x1[None, :], False),
-                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1, OUT)
+                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1)
 
 
 @gluon.jit
@@ -403,29 +435,20 @@ def _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ub
 
     # (2) one subspace iteration from q0: P = orth(S^T q0) (one CholeskyQR pass), Q = orth(S P), U = S^T Q
     p0, p1, p2, p3 = _column_products(S, q0_s.slice(0, _V).load(ROWS), q0_s.slice(_V, _V).load(ROWS),
-                                      q0_s.slice(2 * _V, _V).load(ROWS), q0_s.slice(3 * _V, _V).load(ROWS), VEC)
+                                      q0_s.slice(2 * _V, _V).load(ROWS), q0_s.slice(3 * _V, _V).load(ROWS))
     p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, 1)
-    p0 = gl.convert_layout(p0, COLS)
-    p1 = gl.convert_layout(p1, COLS)
-    p2 = gl.convert_layout(p2, COLS)
-    p3 = gl.convert_layout(p3, COLS)
-    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3, VEC)
+    p0, p1, p2, p3 = _redistribute4(p0, p1, p2, p3, COLS)
+    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3)
     c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)
-    c0 = gl.convert_layout(c0, ROWS)
-    c1 = gl.convert_layout(c1, ROWS)
-    c2 = gl.convert_layout(c2, ROWS)
-    c3 = gl.convert_layout(c3, ROWS)
-    U0, U1, U2, U3 = _column_products(S, c0, c1, c2, c3, COLS)
+    r0, r1, r2, r3 = _redistribute4(c0, c1, c2, c3, ROWS)
+    U0, U1, U2, U3 = _column_products(S, r0, r1, r2, r3)
 
     # (3) tokens u = fp16(clamp(U^T)), q = fp16(Q^T), to the pool and to shared memory; (4) the residual
     #     E = S - q^T u with exactly those fp16 tokens, on the tensor cores (operands read back after a barrier)
-    tok = raw_f16 + region * 2 + _TOK_HALF
-    _store_token(tok, new_s, 0, U0, c0, rk, rv)
-    _store_token(tok, new_s, 1, U1, c1, rk, rv)
-    _store_token(tok, new_s, 2, U2, c2, rk, rv)
-    _store_token(tok, new_s, 3, U3, c3, rk, rv)
+    _store_tokens(raw_f16 + region * 2 + _TOK_HALF, new_s, gl.join(gl.join(U0, U1), gl.join(U2, U3)),
+                  gl.join(gl.join(c0, c1), gl.join(c2, c3)))
     gl.thread_barrier()
-    qT, u = _token_operands(new_s)
+    qT, u = _token_operands(new_s._reinterpret(gl.float16, [_RPAD, _TOK_ROW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])))
     E = mma_v2(-qT, u, S)
 
     # (5) smoothing scales (one rsqrt per column: m * rsqrt(m) is sqrt(m) to ~2 ulp, as in the tl kernel)
@@ -459,15 +482,22 @@ def _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ub
 
 
 @gluon.jit
-def _store_token(tok, new_s, r: gl.constexpr, U_r, Q_r, rk, rv):
-    """Token row r: u = fp16(clamp(U_r)), q = fp16(Q_r), to the pool and to row r of ``new_s``."""
-    u16 = gl.minimum(gl.maximum(U_r, -_FP16_MAX), _FP16_MAX).to(gl.float16)
-    q16 = Q_r.to(gl.float16)
-    gl.store(tok + r * _TOK_ROW + rk, u16)
-    gl.store(tok + r * _TOK_ROW + _K + rv, q16)
-    row = new_s.slice(r, 1)
-    row.slice(0, _K, dim=1).store(u16[None, :])
-    row.slice(_K, _V, dim=1).permute([1, 0]).store(q16[:, None])
+def _store_tokens(tok, new_s, U4, Q4):
+    """The new tokens u = fp16(clamp(U^T)), q = fp16(Q^T) from U, Q stacked [V, 2, 2] (rank r = i + 2 j at [:, i, j],
+    as the vector layout's join builds them) to the pool and to ``new_s`` (flat [16 (K + V)] fp16)."""
+    V4: gl.constexpr = vector4_layout(gl.num_warps())
+    u16 = gl.convert_layout(gl.minimum(gl.maximum(U4, -_FP16_MAX), _FP16_MAX).to(gl.float16), V4)
+    q16 = gl.convert_layout(Q4.to(gl.float16), V4)
+    v = gl.arange(0, _V, layout=gl.SliceLayout(1, gl.SliceLayout(2, V4)))
+    i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, V4)))
+    j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, V4)))
+    at = tok + (i[None, :, None] + 2 * j[None, None, :]) * _TOK_ROW + v[:, None, None]
+    gl.store(at, u16)
+    gl.store(at + _K, q16)
+    # new_s as [j, i, K + V]: the u and q halves of row i + 2 j, each viewed as [128, i, j]
+    rows = new_s._reinterpret(gl.float16, [2, 2, _TOK_ROW], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    rows.slice(0, _K, dim=2).permute([2, 1, 0]).store(u16)
+    rows.slice(_K, _V, dim=2).permute([2, 1, 0]).store(q16)
 
 
 @gluon.jit(do_not_specialize=["N", "num_slots", "SS"], do_not_specialize_on_alignment=["q0_ptr", "idx_ptr"])
@@ -490,32 +520,35 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
     sc_s = gl.allocate_shared_memory(gl.float32, [_K + _V], PLAIN1)
-    tok_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], PLAIN2,
-                                      gl.zeros([_RPAD, _TOK_ROW], gl.float16, layout=TOKENS))
-    new_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], PLAIN2,
-                                      gl.zeros([_RPAD, _TOK_ROW], gl.float16, layout=TOKENS))
+    tok_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], PLAIN2)
+    new_s = gl.allocate_shared_memory(gl.float16, [_RPAD * _TOK_ROW], PLAIN1)
     kb_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _K], PLAIN2)
     ub_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _V], PLAIN2)
     gb_s = gl.allocate_shared_memory(gl.float16, [_L, _K], PLAIN2)
     w_s = gl.allocate_shared_memory(gl.float32, [_L], PLAIN1)
     pc_s = gl.allocate_shared_memory(gl.float32, [_K], PLAIN1)
+    q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1)
     bufs = (codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s)
-    # q0 [V, R] once per program, column by column (q0_s[r V + v] = q0[v, r])
-    qi = gl.arange(0, _R * _V, layout=flat_layout(gl.num_warps()))
-    q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1, gl.load(q0_ptr + (qi % _V) * _R + qi // _V))
     raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
-    gl.thread_barrier()
 
     t = pid
-    code = gl.load(due_ptr + t, mask=t < total, other=0).to(gl.int64)
-    _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, t < total, H, SS,
-              IS_KDA)
-    while t < total:
-        t_next = t + G
-        code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
-        async_copy.wait_group(0)
-        gl.thread_barrier()                      # every thread's copies of this item landed and are visible
-        _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
-                   gbuf_ptr, code, code_next, t_next < total, H, SS, IS_KDA)
-        code = code_next
-        t = t_next
+    if t < total:                                # (a program without items exits after the ranking)
+        code = gl.load(due_ptr + t).to(gl.int64)
+        _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, t < total, H,
+                  SS, IS_KDA)
+        # while the first copies fly: the token buffers' zero padding (ranks R..15) and q0 [V, R] column by column
+        # (q0_s[r V + v] = q0[v, r])
+        tok_s.slice(_R, _R).store(gl.zeros([_R, _TOK_ROW], gl.float16, layout=TOKENS))
+        tok_s.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
+        new_s.store(gl.zeros([_RPAD * _TOK_ROW], gl.float16, layout=flat_layout(gl.num_warps())))
+        qi = gl.arange(0, _R * _V, layout=flat_layout(gl.num_warps()))
+        q0_s.store(gl.load(q0_ptr + (qi % _V) * _R + qi // _V))
+        while t < total:
+            t_next = t + G
+            code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
+            async_copy.wait_group(0)
+            gl.thread_barrier()                  # every thread's copies of this item landed and are visible
+            _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
+                       gbuf_ptr, code, code_next, t_next < total, H, SS, IS_KDA)
+            code = code_next
+            t = t_next
