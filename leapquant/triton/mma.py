@@ -62,10 +62,10 @@ def state_layout(warps):
 
 @gluon.constexpr_function
 def window_layout(warps):
-    """[L, K] window tiles (keys, gates): 64 / warps consecutive entries of one column per thread, so the decay
-    products D_j (a reverse scan along the window) stay mostly inside a thread."""
-    per = 64 // warps
-    return gl.BlockedLayout([per, 1], [L // per, 32 * per // L], [1, warps], [0, 1])
+    """[K, L] window tiles (keys, gates), transposed: a whole column of the window per thread, so that the decay
+    products D_j are multiplications inside a thread (:func:`_exclusive_suffix_products`); at 8 warps, warps 4-7
+    repeat warps 0-3."""
+    return gl.BlockedLayout([1, L], [32, 1], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -162,6 +162,54 @@ def _add(a, b):
 @gluon.jit
 def _mul(a, b):
     return a * b
+
+
+@gluon.jit
+def _halves(x, N: gl.constexpr):
+    """[K, N] (N in a thread's registers) -> its two halves [K, N / 2] along the last axis (no data moves)."""
+    lo, hi = gl.split(gl.permute(gl.reshape(x, [_K, 2, N // 2]), [0, 2, 1]))
+    return lo, hi
+
+
+@gluon.jit
+def _whole(lo, hi, N: gl.constexpr):
+    """The inverse of :func:`_halves` (the halves' layouts are the same distribution)."""
+    hi = gl.convert_layout(hi, lo.type.layout, assert_trivial=True)
+    return gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [_K, N])
+
+
+@gluon.jit
+def _scaled(d, hi):
+    """d [K, n] times the product of hi [K, n] along its last axis (in a thread)."""
+    p = gl.convert_layout(gl.reduce(hi, 1, _mul), gl.SliceLayout(1, d.type.layout), assert_trivial=True)
+    return d * p[:, None]
+
+
+@gluon.jit
+def _suffix2(x):
+    """Exclusive suffix products along the last axis of [K, 2]: (x_1, 1)."""
+    a, b = gl.split(x)
+    return gl.join(b, gl.full_like(b, 1.0))
+
+
+@gluon.jit
+def _suffix4(x):
+    lo, hi = _halves(x, 4)
+    return _whole(_scaled(_suffix2(lo), hi), _suffix2(hi), 4)
+
+
+@gluon.jit
+def _suffix8(x):
+    lo, hi = _halves(x, 8)
+    return _whole(_scaled(_suffix4(lo), hi), _suffix4(hi), 8)
+
+
+@gluon.jit
+def _exclusive_suffix_products(x):
+    """D_j = prod_{i > j} x_i along the last axis of x [K, L = 16] (the window in a thread's registers): halves
+    recursively, each lower half times the product of its upper half (~20 multiplications, no shuffles)."""
+    lo, hi = _halves(x, 16)
+    return _whole(_scaled(_suffix8(lo), hi), _suffix8(hi), 16)
 
 
 @gluon.jit
@@ -352,8 +400,7 @@ def _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_pt
     wv = gl.arange(0, _L, layout=WORDS)
     async_copy.async_copy_global_to_shared(w_s, w_ptr + prog * _L + wv, mask=valid)
     if IS_KDA:
-        # shifted by one entry (row j holds gbuf[j + 1]; the last row is zero-filled and read as one)
-        async_copy.async_copy_global_to_shared(gb_s, gbuf_ptr + window + _K, mask=valid & (wl[:, None] + 1 < _L))
+        async_copy.async_copy_global_to_shared(gb_s, gbuf_ptr + window, mask=valid)
         pk = gl.arange(0, _K, layout=WORDS)
         async_copy.async_copy_global_to_shared(pc_s, gate_ptr + prog * _K + pk, mask=valid)
     async_copy.commit_group()
@@ -396,15 +443,13 @@ def _rebuild(bufs, gate_ptr, prog, IS_KDA: gl.constexpr):
     else:
         S = S * gl.load(gate_ptr + prog)
     # the window: keys in fp32, split into bf16 hi + lo (hi = round(key), lo = round(key - hi): 2^-17 relative)
-    keys = kb_s.load(WINDOW).to(gl.float32) * w_s.load(gl.SliceLayout(1, WINDOW))[:, None]
+    keys = kb_s.permute([1, 0]).load(WINDOW).to(gl.float32) * w_s.load(gl.SliceLayout(0, WINDOW))[None, :]
     if IS_KDA:
-        # the gate buffer holds g_next[j] = gbuf[j + 1] (the last row, past the window, is one); D_j by a reverse
-        # product scan
-        wl = gl.arange(0, _L, layout=gl.SliceLayout(1, WINDOW))
-        g_next = gl.where(wl[:, None] + 1 < _L, gb_s.load(WINDOW).to(gl.float32), 1.0)
-        keys = keys * gl.associative_scan(g_next, 0, _mul, reverse=True)
-    hi = keys.to(gl.bfloat16)
-    lo = (keys - hi.to(gl.float32)).to(gl.bfloat16)
+        # (the products come back with the window's registers in another order: renamed, not moved)
+        keys = keys * gl.convert_layout(_exclusive_suffix_products(gb_s.permute([1, 0]).load(WINDOW).to(gl.float32)),
+                                        WINDOW)
+    hi = gl.permute(keys.to(gl.bfloat16), [1, 0])
+    lo = gl.permute((keys - keys.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16), [1, 0])
     ubT = ub_s.permute([1, 0]).load(A_OP)
     S = mma_v2(ubT, gl.convert_layout(hi, B_OP), S)
     S = mma_v2(ubT, gl.convert_layout(lo, B_OP), S)
@@ -514,7 +559,7 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
 
     # the shared buffers of one program's inputs: codes int8 [V, K] (16-byte chunks XOR-swizzled by row, so that the
     # state layout's reads down 8 rows hit 8 different banks), s_k | s_v fp32, tokens fp16 [16, K + V] (rows R.. stay
-    # zero: the k = 16 padding of the token mma), kbuf, ubuf, gbuf shifted by one entry, w, pcum; and the new
+    # zero: the k = 16 padding of the token mma), kbuf, ubuf, gbuf, w, pcum; and the new
     # tokens [16, K + V] (rows R.. zero)
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
