@@ -145,6 +145,9 @@ def render(path: str) -> str:
 
 
 def main() -> None:
+    # the variants below are knobs of the tl kernel (leapquant/triton/flush.py); the Gluon kernel is timed by the
+    # benchmark CLI (python -m leapquant bench --backends triton)
+    os.environ[fm.KERNEL_ENV] = "tl"
     if len(sys.argv) == 3 and sys.argv[1] == "--render":
         print(render(sys.argv[2]))
         return
@@ -189,7 +192,7 @@ def main() -> None:
                 ws = fm._WORKSPACES[pool]
                 idx1 = torch.zeros(1, dtype=torch.int32, device="cuda")
                 kern = fm._flush_due.warmup(*fm._flush_args(pool, ws, q0, idx1), grid=(ws.programs,),
-                                            **fm._flush_meta(pool, ws.programs))
+                                            **fm._flush_meta(pool, ws.kernel, ws.programs))
                 info = dict(regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared, grid=ws.programs)
                 for mode in a.due:
                     due = set_due(pool, B, mode, g)

@@ -6,6 +6,8 @@ x 32 heads) and replay the call from a CUDA graph with different due sets.
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -169,22 +171,78 @@ def test_layout_constants_match_the_kernel():
     assert val(fm._OFF) == OFF and val(fm._REGION_WORDS) == REGION_WORDS
 
 
-# ---- GPU only: the deployment sizes and CUDA graphs ------------------------------------------------------------------
+# ---- the Gluon kernel: builds for every target on the CPU; the kernel choice ---------------------------------------
+_COMPILE = """
+import sys
+from leapquant.triton import mma
+k = mma.compile_static(int(sys.argv[1]), gate=sys.argv[2], num_heads=int(sys.argv[3]))
+sass = k.asm["sass"]
+print(len(k.asm["cubin"]), sass.count("HMMA"), sass.count("LDGSTS"), sass.count("LDL") + sass.count("STL"))
+"""
+
+
+@pytest.mark.parametrize("capability,gate,heads", [(80, "kda", 32), (90, "kda", 32), (90, "gdn", 12), (100, "kda", 8)])
+def test_gluon_kernel_compiles(capability, gate, heads):
+    """The Gluon kernel lowered and assembled by Triton's ptxas for sm_80 / sm_90 / sm_100 without a GPU (in a child
+    process: under TRITON_INTERPRET=1 Triton's own library functions are interpreted ones, which Gluon cannot
+    compile). Its rank updates and residual run on the tensor cores (HMMA), its inputs arrive by cp.async (LDGSTS),
+    and nothing spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(capability), gate, str(heads)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cubin, hmma, ldgsts, spills = map(int, run.stdout.split())
+    assert cubin > 0 and hmma >= 3 * 16, f"sm_{capability}: {hmma} HMMA (old tokens, window hi + lo, residual)"
+    assert ldgsts > 0, f"sm_{capability}: no cp.async copies"
+    assert spills == 0, f"sm_{capability}: {spills} local-memory accesses"
+
+
+def test_kernel_choice(monkeypatch):
+    """LEAPQUANT_TRITON_KERNEL picks the kernel: a bad value is a ValueError naming the choices; "mma" where the Gluon
+    kernel cannot run (here: the CPU) raises with the reasons; "tl" always works; unset, the CPU gets "tl"."""
+    fm = sys.modules["leapquant.triton.flush"]
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(fm.KERNEL_ENV, "cuda-graphs")
+    with pytest.raises(ValueError, match="expected one of"):
+        fm.kernel_for(cpu)
+    monkeypatch.setenv(fm.KERNEL_ENV, "mma")
+    with pytest.raises(RuntimeError, match="CUDA GPUs only"):
+        fm.kernel_for(cpu)
+    monkeypatch.setenv(fm.KERNEL_ENV, "tl")
+    assert fm.kernel_for(cpu) == "tl"
+    monkeypatch.delenv(fm.KERNEL_ENV)
+    assert fm.kernel_for(cpu) == "tl"
+
+
+# ---- GPU only: the deployment sizes and CUDA graphs, for both kernels -------------------------------------------
+@pytest.fixture(params=["mma", "tl"])
+def kernel(request, monkeypatch):
+    """The Triton backend's two GPU kernels (the Gluon kernel is the default; the tl kernel is the fallback)."""
+    fm = sys.modules["leapquant.triton.flush"]
+    if request.param == "mma" and HAS_CUDA and fm.mma_reasons(DEVICE):
+        pytest.skip("; ".join(fm.mma_reasons(DEVICE)))
+    monkeypatch.setenv(fm.KERNEL_ENV, request.param)
+    return request.param
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("batch", [16, 64, 256, 512])
-def test_gpu_deployment_sizes(batch):
+def test_gpu_deployment_sizes(batch, kernel):
     """All families at batch x 32 heads (KDA; GDN at batch 64) through the deployment call, judged on the GPU."""
     for gate in (("kda", "gdn") if batch == 64 else ("kda",)):
         case = families.make_case(batch, 32, gate, seed=batch).to(DEVICE)
         v = _judge(case, case.run(backend="triton"))
-        assert v.passed, f"batch {batch} {gate}: {v.message}"
+        assert v.passed, f"{kernel} batch {batch} {gate}: {v.message}"
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_gpu_graph_replay(gate):
+def test_gpu_graph_replay(gate, kernel):
     """Captured once, replayed with different due sets (tests/helpers.check_graph_replay)."""
     check_graph_replay("triton", gate, 32, DEVICE)
 
@@ -192,7 +250,18 @@ def test_gpu_graph_replay(gate):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_gpu_nothing_due_is_one_launch(gate):
+def test_gpu_nothing_due_is_one_launch(gate, kernel):
     """A call with nothing due launches one kernel (its programs rank the flags themselves and exit)."""
     names = nothing_due_launches("triton", gate, 32, DEVICE)
-    assert len(names) == 1, f"nothing due launched {len(names)} kernels: {names}"
+    assert len(names) == 1, f"{kernel}: nothing due launched {len(names)} kernels: {names}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_default_kernel_is_gluon():
+    """On an sm_80+ GPU with Gluon, a call runs the Gluon kernel (its name in the profile), not the tl kernel."""
+    fm = sys.modules["leapquant.triton.flush"]
+    if fm.mma_reasons(DEVICE) or os.environ.get(fm.KERNEL_ENV):
+        pytest.skip("the Gluon kernel is not the default here")
+    names = nothing_due_launches("triton", "kda", 8, DEVICE)
+    assert names == ["flush_due"], names

@@ -35,8 +35,8 @@ dispatch.register(dispatch.Backend(
     name="triton",
     flush=flush,
     reasons=reasons,
-    description="Triton: one launch of persistent fp32 flush programs that rank the due programs on the GPU "
-                "(CPU via TRITON_INTERPRET=1)",
+    description="Triton: one launch of persistent flush programs that rank the due programs on the GPU; on sm_80+ "
+                "a Gluon kernel (tensor-core rank updates), else / on the CPU (TRITON_INTERPRET=1) the tl kernel",
     warmup=warmup,
     versions=lambda: {"triton": triton.__version__, "torch": torch.__version__},
 ))

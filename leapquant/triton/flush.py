@@ -1,5 +1,10 @@
 """Triton flush: one launch, CUDA-graph safe (no host sync, no allocation, a fixed grid).
 
+Two kernels share this launcher, its workspace and its ranking: on a GPU the Gluon kernel of
+:mod:`leapquant.triton.mma` (tensor-core rank updates in layouts chosen for the algorithm; 2.5x faster on the H200),
+and this module's ``tl`` kernel, which the interpreter runs (the CPU test tier) and which serves where Gluon cannot
+(:func:`kernel_for`). What follows describes the ``tl`` kernel; the Gluon kernel computes the same thing.
+
 A fixed grid of ``G`` persistent programs (about as many as fit on the GPU at once). Each first ranks the call's due
 programs itself (:func:`_rank_due`: every (row, head) flag of ``idx`` in flag order, ``CHUNK`` flags per step, a prefix
 count) and writes the ones whose rank is ``pid (mod G)`` into its own entries of a workspace list indexed by rank;
@@ -367,13 +372,14 @@ ALIGN_HINTS = True
 MAX_REGISTERS = 0
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
 INTERPRETER_PROGRAMS = 4
-#: which kernel a GPU call runs: "mma" (the Gluon kernel of :mod:`leapquant.triton.mma`, where Triton ships Gluon and
-#: the GPU has mma.sync: sm_80+) or "tl" (this module's kernel, the one the interpreter runs). The environment
-#: variable forces one; a forced "mma" that cannot run raises
+#: which kernel a GPU call runs: "mma" (the Gluon kernel of :mod:`leapquant.triton.mma`: tensor-core rank updates,
+#: explicit layouts; wherever Triton ships Gluon and the GPU has mma.sync, sm_80+) or "tl" (this module's kernel:
+#: the one the interpreter runs, and the fallback). The environment variable forces one (read when a pool's
+#: workspace is made); a forced "mma" that cannot run raises with the reasons
 KERNEL_ENV = "LEAPQUANT_TRITON_KERNEL"
 KERNELS = ("mma", "tl")
-#: the Gluon kernel's warps and register cap (bench/notes/triton.md, session 11, measures the variants)
-MMA_WARPS = 8
+#: register cap of the Gluon kernel (0: none, 255 registers, one program per SM). 128 fits two programs per SM at
+#: ~100 spilled instructions: measured no faster all due, slower at 1/16 (bench/notes/triton.md, session 11)
 MMA_MAX_REGISTERS = 0
 
 
@@ -457,8 +463,9 @@ def _flush_meta(pool: Pool, kernel: str, programs: int) -> dict:
     """Compile-time arguments of the kernel for a grid of ``programs``."""
     hp = triton.next_power_of_2(pool.num_heads)
     if kernel == "mma":
+        from .mma import WARPS
         meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK, TW=min(hp, 32),
-                    num_warps=MMA_WARPS, num_stages=1)
+                    num_warps=WARPS, num_stages=1)
         if MMA_MAX_REGISTERS:
             meta["maxnreg"] = MMA_MAX_REGISTERS
         return meta
