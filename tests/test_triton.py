@@ -1,8 +1,10 @@
 """The Triton backend against the fp32 reference by the SPEC criterion, and its deployment contract.
 
-Without a GPU the kernels run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): small
-shapes, every input family, both gates. With a GPU the ``gpu`` tests also judge the deployment sizes (batch 16 to 512
-x 32 heads) and replay the call from a CUDA graph with different due sets.
+Without a GPU the tl kernel runs through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): small
+shapes, every input family, both gates; the Gluon kernel (the backend's GPU kernel) is built for sm_80 / sm_90 /
+sm_100 by Triton's own ptxas. With a GPU every test here runs the Gluon kernel, and the ``gpu`` tests judge the
+deployment sizes (batch 16 to 512 x 32 heads), replay the call from a CUDA graph with different due sets and count
+the launches of a call with nothing due, for both kernels.
 """
 from __future__ import annotations
 
@@ -202,15 +204,18 @@ def test_gluon_kernel_compiles(capability, gate, heads):
 
 def test_kernel_choice(monkeypatch):
     """LEAPQUANT_TRITON_KERNEL picks the kernel: a bad value is a ValueError naming the choices; "mma" where the Gluon
-    kernel cannot run (here: the CPU) raises with the reasons; "tl" always works; unset, the CPU gets "tl"."""
+    kernel cannot run (here: the CPU) raises with the reasons; both are among the backend's reasons (so a forced
+    backend raises with them, auto skips it); "tl" always works; unset, the CPU gets "tl"."""
     fm = sys.modules["leapquant.triton.flush"]
     cpu = torch.device("cpu")
     monkeypatch.setenv(fm.KERNEL_ENV, "cuda-graphs")
     with pytest.raises(ValueError, match="expected one of"):
         fm.kernel_for(cpu)
+    assert any("expected one of" in why for why in lq_triton.reasons(Pool(3, 2, device=cpu)))
     monkeypatch.setenv(fm.KERNEL_ENV, "mma")
     with pytest.raises(RuntimeError, match="CUDA GPUs only"):
         fm.kernel_for(cpu)
+    assert any("CUDA GPUs only" in why for why in lq_triton.reasons(Pool(3, 2, device=cpu)))
     monkeypatch.setenv(fm.KERNEL_ENV, "tl")
     assert fm.kernel_for(cpu) == "tl"
     monkeypatch.delenv(fm.KERNEL_ENV)

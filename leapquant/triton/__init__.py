@@ -7,7 +7,7 @@ import triton
 
 from .. import dispatch
 from ..layout import Pool
-from .flush import INTERPRETED, flush, warmup
+from .flush import INTERPRETED, KERNEL_ENV, kernel_for, flush, warmup
 
 #: Triton's bf16 loads need sm_80 (Ampere) or newer
 MIN_CAPABILITY = (8, 0)
@@ -26,6 +26,11 @@ def reasons(pool: Pool) -> list[str]:
             why.append(f"compute capability {cap} < {MIN_CAPABILITY}")
     elif not INTERPRETED:
         why.append(f"device {pool.device}: the Triton kernel needs a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
+    if not why:
+        try:                       # a forced GPU kernel that cannot run (LEAPQUANT_TRITON_KERNEL) is a reason too
+            kernel_for(pool.device)
+        except (ValueError, RuntimeError) as exc:
+            why.append(str(exc))
     if pool.num_slots * pool.num_heads >= MAX_CODES:
         why.append(f"num_slots * num_heads = {pool.num_slots * pool.num_heads} does not fit the int32 due list")
     return why
@@ -41,4 +46,4 @@ dispatch.register(dispatch.Backend(
     versions=lambda: {"triton": triton.__version__, "torch": torch.__version__},
 ))
 
-__all__ = ["flush", "warmup", "reasons"]
+__all__ = ["flush", "warmup", "reasons", "KERNEL_ENV"]
