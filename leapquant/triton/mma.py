@@ -105,8 +105,11 @@ WORDS = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))    #: one 4-byte
 #: down 8 rows (128 bytes apart) hit 8 different banks
 PLAIN1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-PLAIN3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+#: the 16-bit mma operands read by ldmatrix (tokens, window values): 16-byte chunks XOR-swizzled by row, so that the
+#: 8 rows of an 8 x 8 matrix (rows 256 or 512 bytes apart) hit 8 different banks (plain rows: 8-way conflicts, 45 %
+#: of the kernel's shared-memory wavefronts in Nsight Compute at 9aae47d)
+OPERAND_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
 
 
 @gluon.constexpr_function
@@ -190,10 +193,12 @@ def _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_pt
                                            mask=valid)
     async_copy.async_copy_global_to_shared(sc_s, raw_f32 + region + _SK_WORD + gl.arange(0, _K + _V, layout=WORDS),
                                            mask=valid)
-    tr = gl.arange(0, _R, layout=gl.SliceLayout(1, TOKENS))
+    # the token rows into rows 0..7 of the swizzled token buffer (whose rows split only at multiples of 8): ranks
+    # R..7 masked, i.e. zero-filled by the copy itself
+    tr = gl.arange(0, 2 * _R, layout=gl.SliceLayout(1, TOKENS))
     tc = gl.arange(0, _TOK_ROW, layout=gl.SliceLayout(0, TOKENS))
-    async_copy.async_copy_global_to_shared(tok_s.slice(0, _R), raw_f16 + region * 2 + _TOK_HALF + tr[:, None] * _TOK_ROW
-                                           + tc[None, :], mask=valid)
+    async_copy.async_copy_global_to_shared(tok_s.slice(0, 2 * _R), raw_f16 + region * 2 + _TOK_HALF
+                                           + tr[:, None] * _TOK_ROW + tc[None, :], mask=valid & (tr[:, None] < _R))
     wl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
     wk = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
     window = gl.multiple_of(prog * (_L * _K), _L * _K) + wl[:, None] * _K + wk[None, :]
@@ -409,7 +414,7 @@ def _orthonormalize(c0, c1, c2, c3, PASSES: gl.constexpr):
 @gluon.jit
 def _store_tokens(tok, new_s, U4, Q4):
     """u = fp16(clamp(U^T)), q = fp16(Q^T) from U, Q stacked [V, 2, 2] (rank i + 2 j at [:, i, j], as two joins of
-    VEC vectors build them) to the pool's token rows and to ``new_s`` (flat [16 (K + V)] fp16)."""
+    VEC vectors build them) to the pool's token rows and to ``new_s`` [16, K + V] fp16 (rows 0..7; 8..15 stay zero)."""
     u16 = gl.convert_layout(gl.minimum(gl.maximum(U4, -_FP16_MAX), _FP16_MAX).to(gl.float16), VEC4)
     q16 = gl.convert_layout(Q4.to(gl.float16), VEC4)
     v = gl.arange(0, _V, layout=gl.SliceLayout(1, gl.SliceLayout(2, VEC4)))
@@ -418,9 +423,14 @@ def _store_tokens(tok, new_s, U4, Q4):
     at = tok + (i[None, :, None] + 2 * j[None, None, :]) * _TOK_ROW + v[:, None, None]
     gl.store(at, u16)
     gl.store(at + _K, q16)
-    rows = new_s._reinterpret(gl.float16, [2, 2, _TOK_ROW], PLAIN3)     # [j, i, K + V]
-    rows.slice(0, _K, dim=2).permute([2, 1, 0]).store(u16)
-    rows.slice(_K, _V, dim=2).permute([2, 1, 0]).store(q16)
+    # rank i + 2 j = row of new_s: [V, i, j] -> [j, i, V] -> [R, V], then ranks R..7 zero (the swizzled buffer's
+    # rows split only at multiples of 8)
+    u8 = gl.reshape(gl.permute(u16, [2, 1, 0]), [_R, _K])
+    q8 = gl.reshape(gl.permute(q16, [2, 1, 0]), [_R, _V])
+    u8 = gl.reshape(gl.permute(gl.join(u8, gl.zeros_like(u8)), [2, 0, 1]), [2 * _R, _K])
+    q8 = gl.reshape(gl.permute(gl.join(q8, gl.zeros_like(q8)), [2, 0, 1]), [2 * _R, _V])
+    new_s.slice(0, 2 * _R).slice(0, _K, dim=1).store(u8)
+    new_s.slice(0, 2 * _R).slice(_K, _V, dim=1).store(q8)
 
 
 # ---- one item, top-down ------------------------------------------------------------------------------------------
@@ -454,7 +464,7 @@ def _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ub
     _store_tokens(raw_f16 + region * 2 + _TOK_HALF, new_s, gl.join(gl.join(U0, U1), gl.join(U2, U3)),
                   gl.join(gl.join(c0, c1), gl.join(c2, c3)))
     gl.thread_barrier()
-    qT, u = _token_operands(new_s._reinterpret(gl.float16, [_RPAD, _TOK_ROW], PLAIN2))
+    qT, u = _token_operands(new_s)
     E = mma_v2(-qT, u, S)
 
     # (6) smoothing: s_k = max(sqrt(mean_v |E|), eps) by one rsqrt (m * rsqrt(m) is sqrt(m) to ~2 ulp; m floored at
@@ -503,13 +513,13 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
     # gbuf, w, pcum; the new tokens (flat, ranks R.. zero); q0 column by column (q0_s[r V + v] = q0[v, r])
     codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM)
     sc_s = gl.allocate_shared_memory(gl.float32, [_K + _V], PLAIN1)
-    tok_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], PLAIN2)
+    tok_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], OPERAND_SMEM)
     kb_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _K], PLAIN2)
-    ub_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _V], PLAIN2)
+    ub_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _V], OPERAND_SMEM)
     gb_s = gl.allocate_shared_memory(gl.float16, [_L, _K], PLAIN2)
     w_s = gl.allocate_shared_memory(gl.float32, [_L], PLAIN1)
     pc_s = gl.allocate_shared_memory(gl.float32, [_K], PLAIN1)
-    new_s = gl.allocate_shared_memory(gl.float16, [_RPAD * _TOK_ROW], PLAIN1)
+    new_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], OPERAND_SMEM)
     q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1)
     bufs = (codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s)
     raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
@@ -520,9 +530,8 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
         _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, t < total, H,
                   SS, IS_KDA)
         # while the first copies fly: the zero padding and q0
-        tok_s.slice(_R, _R).store(gl.zeros([_R, _TOK_ROW], gl.float16, layout=TOKENS))
         tok_s.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
-        new_s.store(gl.zeros([_RPAD * _TOK_ROW], gl.float16, layout=WORDS))
+        new_s.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
         qi = gl.arange(0, _R * _V, layout=WORDS)
         q0_s.store(gl.load(q0_ptr + (qi % _V) * _R + qi // _V))
         while t < total:
