@@ -11,9 +11,9 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_0fa5d3a_all-backends.md (one run, KDA and GDN): TileLang all due 27.0 / 87.9 / 318.3 /
-#: 620.4 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 42.9 / 147.3 / 559.6 / 1103.6 us,
-#: and 1.4-1.8x faster at 1/16 due; with nothing due Triton's call is 0.2-0.4 us cheaper up to batch 256 (2.4-2.8
+#: source: bench/results/h200_25dc157_all-backends.md (one run, KDA and GDN): TileLang all due 26.9 / 87.7 / 318.6 /
+#: 619.7 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 36.6 / 122.9 / 461.5 / 915.6 us,
+#: and 1.25-1.5x faster at 1/16 due; with nothing due Triton's call is 0.2-0.4 us cheaper up to batch 256 (2.4-2.8
 #: against 2.8-3.0 us; 4.5 against 3.1 at 512), but the host cannot know the due set: TileLang is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 

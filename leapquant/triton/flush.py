@@ -1,7 +1,7 @@
 """Triton flush: one launch, CUDA-graph safe (no host sync, no allocation, a fixed grid).
 
 Two kernels share this launcher, its workspace and its ranking: on a GPU the Gluon kernel of
-:mod:`leapquant.triton.mma` (tensor-core rank updates in layouts chosen for the algorithm; 2.5x faster on the H200),
+:mod:`leapquant.triton.mma` (tensor-core rank updates in layouts chosen for the algorithm; 3x faster on the H200),
 and this module's ``tl`` kernel, which the interpreter runs (the CPU test tier) and which serves where Gluon cannot
 (:func:`kernel_for`). What follows describes the ``tl`` kernel; the Gluon kernel computes the same thing.
 
