@@ -202,6 +202,22 @@ def test_gluon_kernel_compiles(capability, gate, heads):
     assert spills == 0, f"sm_{capability}: {spills} local-memory accesses"
 
 
+def test_gluon_exchanges_conflict_free():
+    """The Gluon kernel's hand-built one-round exchange layouts (the row sums' partials, P's vectors, the window keys)
+    have no shared-memory bank conflicts on their writes and reads, by Triton's own model (a compiled probe, in a
+    child process for the reason above)."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    code = "from leapquant.triton.mma import exchange_bank_conflicts as f; print(f())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = eval(run.stdout.strip().splitlines()[-1])
+    assert set(found) == {"rows-write", "rows-read", "cols-write", "cols-read", "keys-write"}, found
+    assert all(v == 0 for v in found.values()), f"bank conflicts (excess wavefronts per access): {found}"
+
+
 def test_kernel_choice(monkeypatch):
     """LEAPQUANT_TRITON_KERNEL picks the kernel: a bad value is a ValueError naming the choices, also among the
     backend's reasons (so a forced backend raises with it, auto skips it); "mma" where the Gluon kernel cannot run

@@ -112,6 +112,24 @@ CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
 OPERAND_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
 
 
+#: the exchange of four row sums' partials ([V, 16, 2, 2] fp32, from the state layout to ROW_PARTIALS4) in one round
+#: through its own buffer (Triton's convert_layout moved it in four rounds of two barriers). 16-byte vectors of the four
+#: sums; the vector index c is a linear map of the row v and partial p bits: c0 = v0, c1 = p0 ^ p3, c2 = p1 ^ v1 (the
+#: bank group, distinct within each 8-lane phase of the writes, which vary p0 p1 v0, and of the reads, which vary
+#: p3 v0 v1), then p3, v1, p2, v2..v6. Listed: the tensor index [v, p, 2, 2] of each offset bit
+ROW_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    [[0, 0, 0, 1], [0, 0, 1, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 9, 0, 0], [2, 2, 0, 0], [0, 4, 0, 0],
+     [4, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0], [64, 0, 0, 0]]))
+#: P's four vectors [K, 2, 2] fp32 from VEC4 to the stacked COLS layout in one round (Triton's took two): vector index
+#: c0 = k2, c1 = k3 ^ k1, c2 = k4 (distinct within the writes' 8-lane phases, which vary k2 k3 k4, and within the
+#: reads', which vary k1 k2), then k1, k0, k5, k6. Listed: the tensor index [k, 2, 2] of each offset bit
+COLS_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    [[0, 0, 1], [0, 1, 0], [4, 0, 0], [8, 0, 0], [16, 0, 0], [10, 0, 0], [1, 0, 0], [32, 0, 0], [64, 0, 0]]))
+#: the window keys' bf16 parts [K, L] (a column of the window per thread, 2 x 16 bytes) read back transposed by
+#: ldmatrix as the mma's B operand: 16-byte chunks XOR-swizzled by row
+KEYS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 4, 2, [1, 0]))
+
+
 @gluon.constexpr_function
 def stacked4_layout(vector):
     """Four stacked copies [n, 2, 2] of a 1-D layout given as its linear layout (``gl.to_linear_layout``), the two new
@@ -269,7 +287,7 @@ def _decay_products(g):
 
 
 @gluon.jit
-def _rebuild(bufs, gate_ptr, prog, IS_KDA: gl.constexpr):
+def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     """S [V, K] fp32 (STATE) = (codes s_k / 127 s_v + q^T u) * gate + ubuf^T keys, keys_j = w_j kbuf_j D_j, from the
     shared buffers: the dequantisation on the CUDA cores, both rank updates on the tensor cores."""
     codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
@@ -290,10 +308,12 @@ def _rebuild(bufs, gate_ptr, prog, IS_KDA: gl.constexpr):
         # (the products come back with the window's registers in another order: renamed, not moved)
         keys = keys * gl.convert_layout(_decay_products(gb_s.permute([1, 0]).load(WINDOW).to(gl.float32)), WINDOW)
     hi = keys.to(gl.bfloat16)
-    lo = (keys - hi.to(gl.float32)).to(gl.bfloat16)
+    hi_s.store(hi)
+    lo_s.store((keys - hi.to(gl.float32)).to(gl.bfloat16))
+    gl.thread_barrier()                         # (both parts in one round: Triton's convert_layout took 3 + 4 barriers)
     ubT = ub_s.permute([1, 0]).load(A_OP)
-    S = mma_v2(ubT, gl.convert_layout(gl.permute(hi, [1, 0]), B_OP), S)
-    S = mma_v2(ubT, gl.convert_layout(gl.permute(lo, [1, 0]), B_OP), S)
+    S = mma_v2(ubT, hi_s.permute([1, 0]).load(B_OP), S)
+    S = mma_v2(ubT, lo_s.permute([1, 0]).load(B_OP), S)
     return S
 
 
@@ -319,15 +339,19 @@ def _own_columns(T, IS_MAX: gl.constexpr):
 
 
 @gluon.jit
-def _finish4(a, b, c, d, AXIS: gl.constexpr):
+def _finish4(a, b, c, d, AXIS: gl.constexpr, xs):
     """Four partial tensors ([16, K], AXIS 0, or [V, 16], AXIS 1) summed along AXIS into four VEC vectors. All four
     go through one exchange in shared memory into the threads that own an output (8 + 8 partials in two lanes: a
-    reduce-scatter), then through one more to every warp: two barrier pairs for four sums."""
+    reduce-scatter), then through one more to every warp: two barrier pairs for four sums. Row sums go through their
+    own buffer ``xs`` (ROW_XCHG_SMEM) in one round; nothing else writes it, so the previous item's reads are long
+    past when it is written."""
     four = gl.join(gl.join(a, b), gl.join(c, d))
     if AXIS == 0:
         four = gl.convert_layout(four, COL_PARTIALS4)
     else:
-        four = gl.convert_layout(four, ROW_PARTIALS4)
+        xs.store(four)
+        gl.thread_barrier()
+        four = xs.load(ROW_PARTIALS4)
     ab, cd = gl.split(gl.convert_layout(gl.sum(four, AXIS), VEC4))
     a, b = gl.split(ab)
     c, d = gl.split(cd)
@@ -351,21 +375,30 @@ def _finish1(part, AXIS: gl.constexpr, IS_MAX: gl.constexpr, OUT: gl.constexpr):
 def _column_products(S, x0, x1, x2, x3):
     """S^T x (four VEC K-vectors) for four V-vectors x (ROWS)."""
     return _finish4(_own_rows(S * x0[:, None], False), _own_rows(S * x1[:, None], False),
-                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0)
+                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0, None)
 
 
 @gluon.jit
-def _row_products(S, x0, x1, x2, x3):
-    """S x (four VEC V-vectors) for four K-vectors x (COLS)."""
+def _row_products(S, x0, x1, x2, x3, xs):
+    """S x (four VEC V-vectors) for four K-vectors x (COLS); ``xs`` the exchange buffer of :func:`_finish4`."""
     return _finish4(_own_columns(S * x0[None, :], False), _own_columns(S * x1[None, :], False),
-                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1)
+                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1, xs)
 
 
 @gluon.jit
-def _redistribute4(a, b, c, d, OUT: gl.constexpr):
-    """Four VEC vectors into OUT (ROWS or COLS) through one exchange in shared memory (one barrier pair, not four)."""
+def _redistribute4(a, b, c, d, OUT: gl.constexpr, xs):
+    """Four VEC vectors into OUT (ROWS or COLS) through one exchange in shared memory (one barrier pair, not four);
+    through the buffer ``xs`` in one round where it is given (written once per item: the previous item's reads are
+    long past)."""
     OUT4: gl.constexpr = stacked4_layout(gl.to_linear_layout(OUT, [_V]))
-    ab, cd = gl.split(gl.convert_layout(gl.join(gl.join(a, b), gl.join(c, d)), OUT4))
+    four = gl.join(gl.join(a, b), gl.join(c, d))
+    if xs is None:
+        four = gl.convert_layout(four, OUT4)
+    else:
+        xs.store(four)
+        gl.thread_barrier()
+        four = xs.load(OUT4)
+    ab, cd = gl.split(four)
     a, b = gl.split(ab)
     c, d = gl.split(cd)
     return (gl.convert_layout(a, OUT, assert_trivial=True), gl.convert_layout(b, OUT, assert_trivial=True),
@@ -435,16 +468,17 @@ def _store_tokens(tok, new_s, U4, Q4):
 
 # ---- one item, top-down ------------------------------------------------------------------------------------------
 @gluon.jit
-def _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr,
-               code, code_next, has_next, H, SS, IS_KDA: gl.constexpr):
+def _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
+               gbuf_ptr, code, code_next, has_next, H, SS, IS_KDA: gl.constexpr):
     """Flush item ``code`` in place (its inputs already in the shared buffers ``bufs``), and start copying
     ``code_next``'s as soon as the buffers are read."""
     rv = gl.arange(0, _V, layout=ROWS)
     rk = gl.arange(0, _K, layout=COLS)
     region, prog = _region(code, H, SS)
+    row_xs, cols_xs, hi_s, lo_s = xbufs
 
     # (1) rebuild, from the shared buffers, which then take the next item's copies
-    S = _rebuild(bufs, gate_ptr, prog, IS_KDA)
+    S = _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA)
     gl.thread_barrier()
     _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code_next, has_next, H,
               SS, IS_KDA)
@@ -453,10 +487,10 @@ def _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ub
     p0, p1, p2, p3 = _column_products(S, q0_s.slice(0, _V).load(ROWS), q0_s.slice(_V, _V).load(ROWS),
                                       q0_s.slice(2 * _V, _V).load(ROWS), q0_s.slice(3 * _V, _V).load(ROWS))
     p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, 1)
-    p0, p1, p2, p3 = _redistribute4(p0, p1, p2, p3, COLS)
-    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3)
+    p0, p1, p2, p3 = _redistribute4(p0, p1, p2, p3, COLS, cols_xs)
+    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3, row_xs)
     c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)
-    r0, r1, r2, r3 = _redistribute4(c0, c1, c2, c3, ROWS)
+    r0, r1, r2, r3 = _redistribute4(c0, c1, c2, c3, ROWS, None)
     U0, U1, U2, U3 = _column_products(S, r0, r1, r2, r3)
 
     # (4) tokens; (5) the residual E = S - q^T u with exactly the stored fp16 tokens, on the tensor cores (their
@@ -522,6 +556,11 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
     new_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], OPERAND_SMEM)
     q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1)
     bufs = (codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s)
+    # exchanges in one round: the row sums' partials, P's vectors, the window keys' bf16 parts
+    xbufs = (gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.float32, [_K, 2, 2], COLS_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
+             gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM))
     raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
 
     t = pid
@@ -539,7 +578,7 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
             code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
             async_copy.wait_group(0)
             gl.thread_barrier()                  # this item's copies (every thread's) landed and are visible
-            _flush_one(bufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
+            _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
                        gbuf_ptr, code, code_next, t_next < total, H, SS, IS_KDA)
             code = code_next
             t = t_next
@@ -568,3 +607,52 @@ def compile_static(capability: int, gate: str = "kda", num_heads: int = 32, prog
     src = GluonASTSource(fn=flush_due, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=WARPS, num_stages=1))
+
+
+@gluon.jit
+def _exchange_probe(out):
+    """Prints, at compile time, the bank conflicts (gl.bank_conflicts: excess wavefronts per access) of the one-round
+    exchanges' writes and reads in their shared layouts; run by :func:`exchange_bank_conflicts`."""
+    four = _own_columns(gl.zeros([_V, _K], gl.float32, layout=STATE), False)
+    four = gl.join(gl.join(four, four), gl.join(four, four))
+    row_xs = gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM)
+    gl.static_print("leapquant-bank rows-write", gl.bank_conflicts(four.type, row_xs.type))
+    gl.static_print("leapquant-bank rows-read",
+                    gl.bank_conflicts(gl.distributed_type(gl.float32, [_V, 16, 2, 2], ROW_PARTIALS4), row_xs.type))
+    cols_xs = gl.allocate_shared_memory(gl.float32, [_K, 2, 2], COLS_XCHG_SMEM)
+    COLS4: gl.constexpr = stacked4_layout(gl.to_linear_layout(COLS, [_V]))
+    gl.static_print("leapquant-bank cols-write",
+                    gl.bank_conflicts(gl.distributed_type(gl.float32, [_K, 2, 2], VEC4), cols_xs.type))
+    gl.static_print("leapquant-bank cols-read",
+                    gl.bank_conflicts(gl.distributed_type(gl.float32, [_K, 2, 2], COLS4), cols_xs.type))
+    keys_s = gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM)
+    gl.static_print("leapquant-bank keys-write",
+                    gl.bank_conflicts(gl.distributed_type(gl.bfloat16, [_K, _L], WINDOW), keys_s.type))
+    gl.store(out + gl.arange(0, 32, layout=WORDS), gl.zeros([32], gl.float32, layout=WORDS))
+
+
+def exchange_bank_conflicts(capability: int = 90) -> dict:
+    """Bank conflicts of the hand-built exchange layouts (ROW_XCHG_SMEM, COLS_XCHG_SMEM, KEYS_SMEM) for their writes
+    and reads, from Triton's own model (compiles a probe; no GPU): {"rows-write": 0, ...}; all zero by design."""
+    import contextlib
+    import io
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    printed = io.StringIO()
+    knobs = triton.knobs.compilation
+    always, knobs.always_compile = knobs.always_compile, True      # (the prints come from compiling, not the cache)
+    try:
+        with contextlib.redirect_stdout(printed):
+            triton.compile(GluonASTSource(fn=_exchange_probe, signature={"out": "*fp32"}, constexprs={}, attrs={}),
+                           target=GPUTarget("cuda", capability, 32), options=dict(num_warps=WARPS, num_stages=1))
+    finally:
+        knobs.always_compile = always
+    found = {}
+    for line in printed.getvalue().splitlines():
+        if "leapquant-bank" in line:
+            name, value = line.split("leapquant-bank", 1)[1].split()[:2]
+            found[name] = int(value)
+    return found
