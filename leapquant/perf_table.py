@@ -11,10 +11,10 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_25dc157_all-backends.md (one run, KDA and GDN): TileLang all due 26.9 / 87.7 / 318.6 /
-#: 619.7 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 36.6 / 122.9 / 461.5 / 915.6 us,
-#: and 1.25-1.5x faster at 1/16 due; with nothing due Triton's call is 0.2-0.4 us cheaper up to batch 256 (2.4-2.8
-#: against 2.8-3.0 us; 4.5 against 3.1 at 512), but the host cannot know the due set: TileLang is preferred from batch 1
+#: source: bench/results/h200_eb61782_all-backends.md (one run, KDA and GDN): TileLang all due 27.1 / 88.5 / 320.4 /
+#: 627.7 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 36.2 / 120.9 / 452.7 / 897.0 us,
+#: and 1.2-1.5x faster at 1/16 due; with nothing due Triton's call is 0.1-0.4 us cheaper up to batch 256 (2.4-2.9
+#: against 2.8-3.0 us; 4.6 against 3.1 at 512), but the host cannot know the due set: TileLang is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
 
