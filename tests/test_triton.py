@@ -8,6 +8,7 @@ the launches of a call with nothing due, for both kernels.
 """
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -183,19 +184,26 @@ print(len(k.asm["cubin"]), sass.count("HMMA"), sass.count("LDGSTS"), sass.count(
 """
 
 
+def _gluon_child(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a child Python without TRITON_INTERPRET (under the interpreter Triton's own library functions
+    are interpreted ones, which Gluon cannot compile), the repository on its path; skips without Gluon, fails with the
+    child's stderr."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.parametrize("capability,gate,heads", [(80, "kda", 32), (90, "kda", 32), (90, "gdn", 12), (100, "kda", 8)])
 def test_gluon_kernel_compiles(capability, gate, heads):
     """The Gluon kernel lowered and assembled by Triton's ptxas for sm_80 / sm_90 / sm_100 without a GPU (in a child
     process: under TRITON_INTERPRET=1 Triton's own library functions are interpreted ones, which Gluon cannot
     compile). Its rank updates and residual run on the tensor cores (HMMA), its inputs arrive by cp.async (LDGSTS),
     and nothing spills."""
-    pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(capability), gate, str(heads)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _gluon_child(_COMPILE, str(capability), gate, str(heads))
     cubin, hmma, ldgsts, spills = map(int, run.stdout.split())
     assert cubin > 0 and hmma >= 3 * 16, f"sm_{capability}: {hmma} HMMA (old tokens, window hi + lo, residual)"
     assert ldgsts > 0, f"sm_{capability}: no cp.async copies"
@@ -206,14 +214,8 @@ def test_gluon_exchanges_conflict_free():
     """The Gluon kernel's hand-built one-round exchange layouts (the row sums' partials, P's vectors, the window keys)
     have no shared-memory bank conflicts on their writes and reads, by Triton's own model (a compiled probe, in a
     child process for the reason above)."""
-    pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = "from leapquant.triton.mma import exchange_bank_conflicts as f; print(f())"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = eval(run.stdout.strip().splitlines()[-1])
+    run = _gluon_child("from leapquant.triton.mma import exchange_bank_conflicts as f; print(f())")
+    found = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     assert set(found) == {"rows-write", "rows-read", "cols-write", "cols-read", "keys-write"}, found
     assert all(v == 0 for v in found.values()), f"bank conflicts (excess wavefronts per access): {found}"
 
