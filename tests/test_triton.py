@@ -211,12 +211,12 @@ def test_gluon_kernel_compiles(capability, gate, heads):
 
 
 def test_gluon_exchanges_conflict_free():
-    """The Gluon kernel's hand-built one-round exchange layouts (the row sums' partials, P's vectors, the window keys)
-    have no shared-memory bank conflicts on their writes and reads, by Triton's own model (a compiled probe, in a
+    """The Gluon kernel's one-round exchange layouts (the sums' partials, the vectors' redistributions, the window
+    keys) have no shared-memory bank conflicts on their writes and reads, by Triton's own model (a compiled probe, in a
     child process for the reason above)."""
     run = _gluon_child("from leapquant.triton.mma import exchange_bank_conflicts as f; print(f())")
     found = ast.literal_eval(run.stdout.strip().splitlines()[-1])
-    assert set(found) == {"rows-write", "rows-read", "cols-write", "cols-read", "keys-write"}, found
+    assert len(found) == 20 and "col4-read" in found and "keys-write" in found, found
     assert all(v == 0 for v in found.values()), f"bank conflicts (excess wavefronts per access): {found}"
 
 

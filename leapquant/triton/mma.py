@@ -125,6 +125,27 @@ ROW_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
 #: reads', which vary k1 k2), then k1, k0, k5, k6. Listed: the tensor index [k, 2, 2] of each offset bit
 COLS_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[0, 0, 1], [0, 1, 0], [4, 0, 0], [8, 0, 0], [16, 0, 0], [10, 0, 0], [1, 0, 0], [32, 0, 0], [64, 0, 0]]))
+#: the partials of four column sums [16, K, 2, 2] fp32 (state layout -> COL_PARTIALS4) in one round: vector index
+#: c0 = k1, c1 = k2 ^ k0, c2 = p0 ^ p3 (writes' phases vary k1 k2 p0, reads' p3 k0 k1), then k0, p3, p1, p2, k3..k6
+COL_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    [[0, 0, 0, 1], [0, 0, 1, 0], [0, 2, 0, 0], [0, 4, 0, 0], [1, 0, 0, 0], [0, 5, 0, 0], [9, 0, 0, 0], [2, 0, 0, 0],
+     [4, 0, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0], [0, 64, 0, 0]]))
+#: four reduce-scattered sums [n, 2, 2] (an output per lane pair) to every warp (VEC4) in one round: vector index
+#: c0 = n2 ^ n0, c1 = n3 ^ n1, c2 = n4 (writes vary n0 n1 in a phase, reads n2 n3 n4), then n0, n1, n5, n6
+VEC_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    [[0, 0, 1], [0, 1, 0], [4, 0, 0], [8, 0, 0], [16, 0, 0], [5, 0, 0], [10, 0, 0], [32, 0, 0], [64, 0, 0]]))
+#: Q's four vectors [V, 2, 2] from VEC4 to the stacked ROWS layout in one round: c0 = v2 ^ v0, c1 = v3, c2 = v4
+#: (writes vary v2 v3 v4, reads v0), then v0, v1, v5, v6
+ROWS_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    [[0, 0, 1], [0, 1, 0], [4, 0, 0], [8, 0, 0], [16, 0, 0], [5, 0, 0], [2, 0, 0], [32, 0, 0], [64, 0, 0]]))
+#: the partials of one column sum [16, K] fp32 (state layout -> COL_PARTIALS) in one round, 4-byte words: bank bits
+#: k1, k2, p0 ^ k0, p1 ^ k3, p2 ^ p3 (writes vary k1 k2 p0 p1 p2, reads p3 k0 k1 k2 k3), then k0, k3, p3, k4..k6
+COL1_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [1, 1], [2, 8], [12, 0], [0, 16], [0, 32], [0, 64]]))
+#: of one row sum [V, 16]: bank bits v0, v1, v2, p0 ^ p3, p1 ^ v3 (writes vary p0 p1 v0 v1 v2, reads p3 v0..v3),
+#: then p3, v3, p2, v4..v6
+ROW1_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    [[1, 0], [2, 0], [4, 0], [0, 1], [0, 2], [0, 9], [8, 2], [0, 4], [16, 0], [32, 0], [64, 0]]))
 #: the window keys' bf16 parts [K, L] (a column of the window per thread, 2 x 16 bytes) read back transposed by
 #: ldmatrix as the mma's B operand: 16-byte chunks XOR-swizzled by row
 KEYS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 4, 2, [1, 0]))
@@ -339,20 +360,26 @@ def _own_columns(T, IS_MAX: gl.constexpr):
 
 
 @gluon.jit
-def _finish4(a, b, c, d, AXIS: gl.constexpr, xs):
+def _exchange(x, buf, OUT: gl.constexpr):
+    """x into layout OUT through ``buf``, a shared buffer of its own, in one round (one barrier). Each buffer is
+    written once per phase that uses it, and a barrier lies between its previous reads and this write."""
+    buf.store(x)
+    gl.thread_barrier()
+    return buf.load(OUT)
+
+
+@gluon.jit
+def _finish4(a, b, c, d, AXIS: gl.constexpr, xs, vs):
     """Four partial tensors ([16, K], AXIS 0, or [V, 16], AXIS 1) summed along AXIS into four VEC vectors. All four
-    go through one exchange in shared memory into the threads that own an output (8 + 8 partials in two lanes: a
-    reduce-scatter), then through one more to every warp: two barrier pairs for four sums. Row sums go through their
-    own buffer ``xs`` (ROW_XCHG_SMEM) in one round; nothing else writes it, so the previous item's reads are long
-    past when it is written."""
+    go through one exchange in shared memory (``xs``: COL_XCHG_SMEM or ROW_XCHG_SMEM) into the threads that own an
+    output (8 + 8 partials in two lanes: a reduce-scatter), then through one more (``vs``) to every warp: two
+    barriers for four sums."""
     four = gl.join(gl.join(a, b), gl.join(c, d))
     if AXIS == 0:
-        four = gl.convert_layout(four, COL_PARTIALS4)
+        four = _exchange(four, xs, COL_PARTIALS4)
     else:
-        xs.store(four)
-        gl.thread_barrier()
-        four = xs.load(ROW_PARTIALS4)
-    ab, cd = gl.split(gl.convert_layout(gl.sum(four, AXIS), VEC4))
+        four = _exchange(four, xs, ROW_PARTIALS4)
+    ab, cd = gl.split(_exchange(gl.sum(four, AXIS), vs, VEC4))
     a, b = gl.split(ab)
     c, d = gl.split(cd)
     return (gl.convert_layout(a, VEC, assert_trivial=True), gl.convert_layout(b, VEC, assert_trivial=True),
@@ -360,45 +387,39 @@ def _finish4(a, b, c, d, AXIS: gl.constexpr, xs):
 
 
 @gluon.jit
-def _finish1(part, AXIS: gl.constexpr, IS_MAX: gl.constexpr, OUT: gl.constexpr):
-    """One partial tensor reduced along AXIS (sum or max) as in :func:`_finish4`, into layout OUT."""
+def _finish1(part, AXIS: gl.constexpr, IS_MAX: gl.constexpr, OUT: gl.constexpr, xs, os):
+    """One partial tensor reduced along AXIS (sum or max) as in :func:`_finish4` into layout OUT, through ``xs``
+    (COL1_XCHG_SMEM or ROW1_XCHG_SMEM) and ``os`` (a plain [128] buffer)."""
     if AXIS == 0:
-        part = gl.convert_layout(part, COL_PARTIALS)
+        part = _exchange(part, xs, COL_PARTIALS)
     else:
-        part = gl.convert_layout(part, ROW_PARTIALS)
+        part = _exchange(part, xs, ROW_PARTIALS)
     if IS_MAX:
-        return gl.convert_layout(gl.max(part, AXIS), OUT)
-    return gl.convert_layout(gl.sum(part, AXIS), OUT)
+        return _exchange(gl.max(part, AXIS), os, OUT)
+    return _exchange(gl.sum(part, AXIS), os, OUT)
 
 
 @gluon.jit
-def _column_products(S, x0, x1, x2, x3):
-    """S^T x (four VEC K-vectors) for four V-vectors x (ROWS)."""
+def _column_products(S, x0, x1, x2, x3, xs, vs):
+    """S^T x (four VEC K-vectors) for four V-vectors x (ROWS); ``xs``, ``vs`` the exchange buffers of
+    :func:`_finish4`."""
     return _finish4(_own_rows(S * x0[:, None], False), _own_rows(S * x1[:, None], False),
-                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0, None)
+                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0, xs, vs)
 
 
 @gluon.jit
-def _row_products(S, x0, x1, x2, x3, xs):
-    """S x (four VEC V-vectors) for four K-vectors x (COLS); ``xs`` the exchange buffer of :func:`_finish4`."""
+def _row_products(S, x0, x1, x2, x3, xs, vs):
+    """S x (four VEC V-vectors) for four K-vectors x (COLS)."""
     return _finish4(_own_columns(S * x0[None, :], False), _own_columns(S * x1[None, :], False),
-                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1, xs)
+                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1, xs, vs)
 
 
 @gluon.jit
 def _redistribute4(a, b, c, d, OUT: gl.constexpr, xs):
-    """Four VEC vectors into OUT (ROWS or COLS) through one exchange in shared memory (one barrier pair, not four);
-    through the buffer ``xs`` in one round where it is given (written once per item: the previous item's reads are
-    long past)."""
+    """Four VEC vectors into OUT (ROWS or COLS) through one exchange in shared memory (``xs``: one barrier, not
+    four)."""
     OUT4: gl.constexpr = stacked4_layout(gl.to_linear_layout(OUT, [_V]))
-    four = gl.join(gl.join(a, b), gl.join(c, d))
-    if xs is None:
-        four = gl.convert_layout(four, OUT4)
-    else:
-        xs.store(four)
-        gl.thread_barrier()
-        four = xs.load(OUT4)
-    ab, cd = gl.split(four)
+    ab, cd = gl.split(_exchange(gl.join(gl.join(a, b), gl.join(c, d)), xs, OUT4))
     a, b = gl.split(ab)
     c, d = gl.split(cd)
     return (gl.convert_layout(a, OUT, assert_trivial=True), gl.convert_layout(b, OUT, assert_trivial=True),
@@ -475,7 +496,7 @@ def _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     rv = gl.arange(0, _V, layout=ROWS)
     rk = gl.arange(0, _K, layout=COLS)
     region, prog = _region(code, H, SS)
-    row_xs, cols_xs, hi_s, lo_s = xbufs
+    col_xs, row_xs, vec_xs, cols_xs, rows_xs, col1_xs, row1_xs, kvec_xs, vvec_xs, hi_s, lo_s = xbufs
 
     # (1) rebuild, from the shared buffers, which then take the next item's copies
     S = _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA)
@@ -485,13 +506,14 @@ def _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
 
     # (2), (3) one subspace iteration from q0: P = orth(S^T q0) (one CholeskyQR pass), Q = orth(S P), U = S^T Q
     p0, p1, p2, p3 = _column_products(S, q0_s.slice(0, _V).load(ROWS), q0_s.slice(_V, _V).load(ROWS),
-                                      q0_s.slice(2 * _V, _V).load(ROWS), q0_s.slice(3 * _V, _V).load(ROWS))
+                                      q0_s.slice(2 * _V, _V).load(ROWS), q0_s.slice(3 * _V, _V).load(ROWS), col_xs,
+                                      vec_xs)
     p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, 1)
     p0, p1, p2, p3 = _redistribute4(p0, p1, p2, p3, COLS, cols_xs)
-    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3, row_xs)
+    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3, row_xs, vec_xs)
     c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)
-    r0, r1, r2, r3 = _redistribute4(c0, c1, c2, c3, ROWS, None)
-    U0, U1, U2, U3 = _column_products(S, r0, r1, r2, r3)
+    r0, r1, r2, r3 = _redistribute4(c0, c1, c2, c3, ROWS, rows_xs)
+    U0, U1, U2, U3 = _column_products(S, r0, r1, r2, r3, col_xs, vec_xs)
 
     # (4) tokens; (5) the residual E = S - q^T u with exactly the stored fp16 tokens, on the tensor cores (their
     #     operands read back from shared memory after a barrier)
@@ -503,11 +525,11 @@ def _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
 
     # (6) smoothing: s_k = max(sqrt(mean_v |E|), eps) by one rsqrt (m * rsqrt(m) is sqrt(m) to ~2 ulp; m floored at
     #     eps^2 first, so a zero column gets s_k = eps), x = E / s_k, s_v = max(max_k |x|, eps)
-    m = gl.maximum(_finish1(_own_rows(gl.abs(E), False), 0, False, COLS) * (1.0 / _V), _EPS * _EPS)
+    m = gl.maximum(_finish1(_own_rows(gl.abs(E), False), 0, False, COLS, col1_xs, kvec_xs) * (1.0 / _V), _EPS * _EPS)
     inv_sk = gl.rsqrt(m)
     s_k = gl.maximum(m * inv_sk, _EPS)
     x = E * inv_sk[None, :]
-    s_v = gl.maximum(_finish1(_own_columns(gl.abs(x), True), 1, True, ROWS), _EPS)
+    s_v = gl.maximum(_finish1(_own_columns(gl.abs(x), True), 1, True, ROWS, row1_xs, vvec_xs), _EPS)
     gl.store(raw_f32 + region + _SK_WORD + rk, s_k)
     gl.store(raw_f32 + region + _SK_WORD + _K + rv, s_v)
 
@@ -556,9 +578,18 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
     new_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], OPERAND_SMEM)
     q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1)
     bufs = (codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s)
-    # exchanges in one round: the row sums' partials, P's vectors, the window keys' bf16 parts
-    xbufs = (gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM),
+    # the exchanges' own buffers (each exchange in one round): the partials of four column / row sums, four sums to
+    # every warp, P's and Q's redistributions, the partials of one column / row sum and its result, the window keys'
+    # bf16 parts
+    xbufs = (gl.allocate_shared_memory(gl.float32, [16, _K, 2, 2], COL_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.float32, [_V, 2, 2], VEC_XCHG_SMEM),
              gl.allocate_shared_memory(gl.float32, [_K, 2, 2], COLS_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.float32, [_V, 2, 2], ROWS_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.float32, [16, _K], COL1_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.float32, [_V, 16], ROW1_XCHG_SMEM),
+             gl.allocate_shared_memory(gl.float32, [_K], PLAIN1),
+             gl.allocate_shared_memory(gl.float32, [_V], PLAIN1),
              gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
              gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM))
     raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
@@ -610,30 +641,57 @@ def compile_static(capability: int, gate: str = "kda", num_heads: int = 32, prog
 
 
 @gluon.jit
+def _bank_report(name: gl.constexpr, x_type: gl.constexpr, buf):
+    gl.static_print("leapquant-bank", name, gl.bank_conflicts(x_type, buf.type))
+
+
+@gluon.jit
 def _exchange_probe(out):
-    """Prints, at compile time, the bank conflicts (gl.bank_conflicts: excess wavefronts per access) of the one-round
-    exchanges' writes and reads in their shared layouts; run by :func:`exchange_bank_conflicts`."""
-    four = _own_columns(gl.zeros([_V, _K], gl.float32, layout=STATE), False)
-    four = gl.join(gl.join(four, four), gl.join(four, four))
-    row_xs = gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM)
-    gl.static_print("leapquant-bank rows-write", gl.bank_conflicts(four.type, row_xs.type))
-    gl.static_print("leapquant-bank rows-read",
-                    gl.bank_conflicts(gl.distributed_type(gl.float32, [_V, 16, 2, 2], ROW_PARTIALS4), row_xs.type))
-    cols_xs = gl.allocate_shared_memory(gl.float32, [_K, 2, 2], COLS_XCHG_SMEM)
+    """Prints, at compile time, the bank conflicts (gl.bank_conflicts: excess wavefronts per access) of every
+    one-round exchange's writes and reads in its shared layout; run by :func:`exchange_bank_conflicts`."""
+    S = gl.zeros([_V, _K], gl.float32, layout=STATE)
+    by_rows = _own_rows(S, False)
+    by_cols = _own_columns(S, False)
+    col4 = gl.join(gl.join(by_rows, by_rows), gl.join(by_rows, by_rows))
+    row4 = gl.join(gl.join(by_cols, by_cols), gl.join(by_cols, by_cols))
+    buf = gl.allocate_shared_memory(gl.float32, [16, _K, 2, 2], COL_XCHG_SMEM)
+    _bank_report("col4-write", col4.type, buf)
+    _bank_report("col4-read", gl.distributed_type(gl.float32, [16, _K, 2, 2], COL_PARTIALS4), buf)
+    buf = gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM)
+    _bank_report("row4-write", row4.type, buf)
+    _bank_report("row4-read", gl.distributed_type(gl.float32, [_V, 16, 2, 2], ROW_PARTIALS4), buf)
+    buf = gl.allocate_shared_memory(gl.float32, [_V, 2, 2], VEC_XCHG_SMEM)
+    _bank_report("vec-write-cols", gl.distributed_type(gl.float32, [_K, 2, 2], gl.SliceLayout(0, COL_PARTIALS4)), buf)
+    _bank_report("vec-write-rows", gl.distributed_type(gl.float32, [_V, 2, 2], gl.SliceLayout(1, ROW_PARTIALS4)), buf)
+    _bank_report("vec-read", gl.distributed_type(gl.float32, [_V, 2, 2], VEC4), buf)
     COLS4: gl.constexpr = stacked4_layout(gl.to_linear_layout(COLS, [_V]))
-    gl.static_print("leapquant-bank cols-write",
-                    gl.bank_conflicts(gl.distributed_type(gl.float32, [_K, 2, 2], VEC4), cols_xs.type))
-    gl.static_print("leapquant-bank cols-read",
-                    gl.bank_conflicts(gl.distributed_type(gl.float32, [_K, 2, 2], COLS4), cols_xs.type))
-    keys_s = gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM)
-    gl.static_print("leapquant-bank keys-write",
-                    gl.bank_conflicts(gl.distributed_type(gl.bfloat16, [_K, _L], WINDOW), keys_s.type))
+    ROWS4: gl.constexpr = stacked4_layout(gl.to_linear_layout(ROWS, [_V]))
+    buf = gl.allocate_shared_memory(gl.float32, [_K, 2, 2], COLS_XCHG_SMEM)
+    _bank_report("cols-write", gl.distributed_type(gl.float32, [_K, 2, 2], VEC4), buf)
+    _bank_report("cols-read", gl.distributed_type(gl.float32, [_K, 2, 2], COLS4), buf)
+    buf = gl.allocate_shared_memory(gl.float32, [_V, 2, 2], ROWS_XCHG_SMEM)
+    _bank_report("rows-write", gl.distributed_type(gl.float32, [_V, 2, 2], VEC4), buf)
+    _bank_report("rows-read", gl.distributed_type(gl.float32, [_V, 2, 2], ROWS4), buf)
+    buf = gl.allocate_shared_memory(gl.float32, [16, _K], COL1_XCHG_SMEM)
+    _bank_report("col1-write", by_rows.type, buf)
+    _bank_report("col1-read", gl.distributed_type(gl.float32, [16, _K], COL_PARTIALS), buf)
+    buf = gl.allocate_shared_memory(gl.float32, [_V, 16], ROW1_XCHG_SMEM)
+    _bank_report("row1-write", by_cols.type, buf)
+    _bank_report("row1-read", gl.distributed_type(gl.float32, [_V, 16], ROW_PARTIALS), buf)
+    buf = gl.allocate_shared_memory(gl.float32, [_K], PLAIN1)
+    _bank_report("kvec-write", gl.distributed_type(gl.float32, [_K], gl.SliceLayout(0, COL_PARTIALS)), buf)
+    _bank_report("kvec-read", gl.distributed_type(gl.float32, [_K], COLS), buf)
+    _bank_report("vvec-write", gl.distributed_type(gl.float32, [_V], gl.SliceLayout(1, ROW_PARTIALS)), buf)
+    _bank_report("vvec-read", gl.distributed_type(gl.float32, [_V], ROWS), buf)
+    buf = gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM)
+    _bank_report("keys-write", gl.distributed_type(gl.bfloat16, [_K, _L], WINDOW), buf)
     gl.store(out + gl.arange(0, 32, layout=WORDS), gl.zeros([32], gl.float32, layout=WORDS))
 
 
 def exchange_bank_conflicts(capability: int = 90) -> dict:
-    """Bank conflicts of the hand-built exchange layouts (ROW_XCHG_SMEM, COLS_XCHG_SMEM, KEYS_SMEM) for their writes
-    and reads, from Triton's own model (compiles a probe; no GPU): {"rows-write": 0, ...}; all zero by design."""
+    """Bank conflicts of the one-round exchanges' shared layouts (the *_XCHG_SMEM layouts, the plain vectors, KEYS_SMEM)
+    for their writes and reads, from Triton's own model (compiles a probe; no GPU): {"col4-write": 0, ...}; all zero
+    by design."""
     import contextlib
     import io
 
