@@ -14,7 +14,9 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
                         times the fp32 keys split into two bf16 parts, 2^-17 relative), accumulating in fp32
     _column_products,   S^T x and S x for four vectors at once: each thread sums its own 8 rows (columns) of S x as
     _row_products       one FMA chain, then the 16 partials of an output meet in two threads through one exchange
-                        in shared memory (a reduce-scatter: no shuffle tree over the lanes of every partial)
+                        in shared memory (a reduce-scatter: no shuffle tree over the lanes of every partial). Every
+                        exchange but the codes' goes through a buffer of its own in one round (:func:`_exchange`,
+                        the *_XCHG_SMEM layouts: hand-built, free of bank conflicts)
     _orthonormalize     CholeskyQR (one pass for P, two for Q, floored pivots) on the vectors held whole by every
                         warp (:data:`VEC`): the Gram matrices are warp-local shuffle reductions, no barrier
     _store_tokens       u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool and to shared memory
@@ -25,7 +27,7 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
 
 Every value of the state and every sum is fp32; the tensor cores only see operands exact in their input type (or
 the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums. Measured variants
-and what limits the kernel: bench/notes/triton.md (session 11).
+and what limits the kernel: bench/notes/triton.md (sessions 11, 12).
 """
 from __future__ import annotations
 
