@@ -11,7 +11,8 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
     _rebuild            S = (codes s_k s_v / 127 + q^T u) * gate + ubuf^T keys; S lives in the accumulator layout of
                         mma.m16n8 (:data:`STATE`: 2 row bands x 4 column bands of warps, 8 x 8 values per thread), so
                         both rank updates run on the tensor cores with exact operands (fp16 tokens; bf16 window values
-                        times the fp32 keys split into two bf16 parts, 2^-17 relative), accumulating in fp32
+                        times the fp32 keys split into two bf16 parts, 2^-17 relative), accumulating in fp32; KDA's
+                        keys (:func:`_stage_keys`) are staged during the previous item, off the rebuild's path
     _column_products,   S^T x and S x for four vectors at once: each thread sums its own 8 rows (columns) of S x as
     _row_products       one FMA chain, then the 16 partials of an output meet in two threads through one exchange
                         in shared memory (a reduce-scatter: no shuffle tree over the lanes of every partial). Every
@@ -27,7 +28,7 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
 
 Every value of the state and every sum is fp32; the tensor cores only see operands exact in their input type (or
 the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums. Measured variants
-and what limits the kernel: bench/notes/triton.md (sessions 11, 12).
+and what limits the kernel: bench/notes/triton.md (sessions 11-13).
 """
 from __future__ import annotations
 
@@ -310,9 +311,25 @@ def _decay_products(g):
 
 
 @gluon.jit
+def _stage_keys(bufs, hi_s, lo_s, IS_KDA: gl.constexpr):
+    """The window keys w_j kbuf_j D_j [K, L] in fp32 from the shared buffers, split into bf16 hi + lo (hi = round(key),
+    lo = round(key - hi): 2^-17 relative; bf16 x bf16 products are exact in fp32) into ``hi_s`` / ``lo_s``: the
+    rebuild's mma operand."""
+    codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
+    keys = kb_s.permute([1, 0]).load(WINDOW).to(gl.float32) * w_s.load(gl.SliceLayout(0, WINDOW))[None, :]
+    if IS_KDA:
+        # (the products come back with the window's registers in another order: renamed, not moved)
+        keys = keys * gl.convert_layout(_decay_products(gb_s.permute([1, 0]).load(WINDOW).to(gl.float32)), WINDOW)
+    hi = keys.to(gl.bfloat16)
+    hi_s.store(hi)
+    lo_s.store((keys - hi.to(gl.float32)).to(gl.bfloat16))
+
+
+@gluon.jit
 def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     """S [V, K] fp32 (STATE) = (codes s_k / 127 s_v + q^T u) * gate + ubuf^T keys, keys_j = w_j kbuf_j D_j, from the
-    shared buffers: the dequantisation on the CUDA cores, both rank updates on the tensor cores."""
+    shared buffers: the dequantisation on the CUDA cores, both rank updates on the tensor cores (KDA: the keys'
+    parts already in hi_s / lo_s)."""
     codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
     col = sc_s.slice(0, _K).load(COLS) * (1.0 / _QMAX)
     s_v = sc_s.slice(_K, _V).load(ROWS)
@@ -324,16 +341,11 @@ def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
         S = S * gl.exp(pc_s.load(COLS))[None, :]
     else:
         S = S * gl.load(gate_ptr + prog)
-    # the window: keys in fp32, split into bf16 hi + lo (hi = round(key), lo = round(key - hi): 2^-17 relative);
-    # bf16 x bf16 products are exact in fp32
-    keys = kb_s.permute([1, 0]).load(WINDOW).to(gl.float32) * w_s.load(gl.SliceLayout(0, WINDOW))[None, :]
-    if IS_KDA:
-        # (the products come back with the window's registers in another order: renamed, not moved)
-        keys = keys * gl.convert_layout(_decay_products(gb_s.permute([1, 0]).load(WINDOW).to(gl.float32)), WINDOW)
-    hi = keys.to(gl.bfloat16)
-    hi_s.store(hi)
-    lo_s.store((keys - hi.to(gl.float32)).to(gl.bfloat16))
-    gl.thread_barrier()                         # (both parts in one round: Triton's convert_layout took 3 + 4 barriers)
+    # the window: keys_j = w_j kbuf_j D_j as bf16 parts in hi_s / lo_s (KDA: staged during the previous item, see
+    # _flush_one; GDN: here, where they cost less than staging them ahead)
+    if not IS_KDA:
+        _stage_keys(bufs, hi_s, lo_s, IS_KDA)
+        gl.thread_barrier()                     # (both parts in one round: Triton's convert_layout took 3 + 4 barriers)
     ubT = ub_s.permute([1, 0]).load(A_OP)
     S = mma_v2(ubT, hi_s.permute([1, 0]).load(B_OP), S)
     S = mma_v2(ubT, lo_s.permute([1, 0]).load(B_OP), S)
@@ -514,7 +526,16 @@ def _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     p0, p1, p2, p3 = _redistribute4(p0, p1, p2, p3, COLS, cols_xs)
     c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3, row_xs, vec_xs)
     c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)
+    if IS_KDA:
+        # the next item's KDA keys (their decay products: ~150 instructions per thread) staged here, where the
+        # orthonormalisation's chain leaves issue slots free, instead of on the next rebuild's path (-2.1 % all due
+        # at batch 256; GDN's keys, without decay, measured +2.3 % staged ahead and stay in the rebuild). The
+        # copies are this thread's; the exchange's barrier makes every thread's visible
+        async_copy.wait_group(0)
     r0, r1, r2, r3 = _redistribute4(c0, c1, c2, c3, ROWS, rows_xs)
+    if IS_KDA:
+        if has_next:
+            _stage_keys(bufs, hi_s, lo_s, IS_KDA)
     U0, U1, U2, U3 = _column_products(S, r0, r1, r2, r3, col_xs, vec_xs)
 
     # (4) tokens; (5) the residual E = S - q^T u with exactly the stored fp16 tokens, on the tensor cores (their
@@ -611,6 +632,10 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
             code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
             async_copy.wait_group(0)
             gl.thread_barrier()                  # this item's copies (every thread's) landed and are visible
+            if IS_KDA:
+                if t == pid:                     # (later items' keys are staged during the item before)
+                    _stage_keys(bufs, xbufs[9], xbufs[10], IS_KDA)
+                    gl.thread_barrier()
             _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
                        gbuf_ptr, code, code_next, t_next < total, H, SS, IS_KDA)
             code = code_next
