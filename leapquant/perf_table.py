@@ -11,9 +11,9 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_9779ef6_all-backends.md (one run, KDA and GDN): TileLang all due 27.0 / 87.4 / 318.2 /
-#: 620.0 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 35.7 / 119.0 / 446.5 / 882.8 us,
-#: and 1.25-1.5x faster at 1/16 due; with nothing due Triton's call is 0.2-0.4 us cheaper up to batch 256 (2.4-2.8
+#: source: bench/results/h200_6bac089_all-backends.md (one run, KDA and GDN): TileLang all due 26.9 / 88.0 / 320.5 /
+#: 625.9 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 35.4 / 117.8 / 440.6 / 875.3 us,
+#: and 1.24-1.44x faster at 1/16 due; with nothing due Triton's call is 0.1-0.4 us cheaper up to batch 256 (2.4-2.9
 #: against 2.8-3.0 us; 4.6 against 3.1 at 512), but the host cannot know the due set: TileLang is preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
 
