@@ -11,24 +11,25 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
     _rebuild            S = (codes s_k s_v / 127 + q^T u) * gate + ubuf^T keys; S lives in the accumulator layout of
                         mma.m16n8 (:data:`STATE`: 2 row bands x 4 column bands of warps, 8 x 8 values per thread), so
                         both rank updates run on the tensor cores with exact operands (fp16 tokens; bf16 window values
-                        times the fp32 keys split into two bf16 parts, 2^-17 relative), accumulating in fp32; KDA's
-                        keys (:func:`_stage_keys`) are staged during the previous item, off the rebuild's path
-    _column_products,   S^T x and S x for four vectors at once: each thread sums its own 8 rows (columns) of S x as
-    _row_products       one FMA chain, then the 16 partials of an output meet in two threads through one exchange
-                        in shared memory (a reduce-scatter: no shuffle tree over the lanes of every partial). Every
-                        exchange but the codes' goes through a buffer of its own in one round (:func:`_exchange`,
-                        the *_XCHG_SMEM layouts: hand-built, free of bank conflicts)
+                        times the fp32 keys split into two bf16 parts, 2^-17 relative), accumulating in fp32
+    _column_partials,   S^T x and S x for four vectors at once: each thread sums its own 8 rows (columns) of S x as
+    _row_partials,      one FMA chain, then the 16 partials of an output meet in two threads through one exchange
+    _sum4, _get4        in shared memory (a reduce-scatter: no shuffle tree over the lanes of every partial), and the
+                        sums go to every warp through one more. Every exchange but the codes' goes through a buffer
+                        of its own in one round (the *_XCHG_SMEM layouts: hand-built, free of bank conflicts), its
+                        write and its read on either side of a barrier the caller places
     _orthonormalize     CholeskyQR (one pass for P, two for Q, floored pivots) on the vectors held whole by every
                         warp (:data:`VEC`): the Gram matrices are warp-local shuffle reductions, no barrier
     _store_tokens       u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool and to shared memory
     (residual)          E = S - q^T u on the tensor cores with exactly the stored tokens
     (scales, codes)     s_k, s_v (reduce-scattered like the products), codes = round_half_even(127 E / (s_k s_v)),
-                        stored as 16-byte vectors after one exchange through shared memory
-    (reset)             w = 0, pcum = 0, gbuf = 1 (GDN: p = 1)
+                        stored as 16-byte vectors after one exchange through shared memory; then the window reset
+                        (w = 0, pcum = 0, gbuf = 1; GDN: p = 1). This tail of item i runs during item i + 1
+                        (:func:`_flush_item`): beside its rebuild, P and Q, at the same barriers
 
 Every value of the state and every sum is fp32; the tensor cores only see operands exact in their input type (or
 the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums. Measured variants
-and what limits the kernel: bench/notes/triton.md (sessions 11-13).
+and what limits the kernel: bench/notes/triton.md (sessions 11-14).
 """
 from __future__ import annotations
 
@@ -328,8 +329,8 @@ def _stage_keys(bufs, hi_s, lo_s, IS_KDA: gl.constexpr):
 @gluon.jit
 def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     """S [V, K] fp32 (STATE) = (codes s_k / 127 s_v + q^T u) * gate + ubuf^T keys, keys_j = w_j kbuf_j D_j, from the
-    shared buffers: the dequantisation on the CUDA cores, both rank updates on the tensor cores (KDA: the keys'
-    parts already in hi_s / lo_s)."""
+    shared buffers: the dequantisation on the CUDA cores, both rank updates on the tensor cores (the keys as bf16
+    parts through hi_s / lo_s)."""
     codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
     col = sc_s.slice(0, _K).load(COLS) * (1.0 / _QMAX)
     s_v = sc_s.slice(_K, _V).load(ROWS)
@@ -341,11 +342,10 @@ def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
         S = S * gl.exp(pc_s.load(COLS))[None, :]
     else:
         S = S * gl.load(gate_ptr + prog)
-    # the window: keys_j = w_j kbuf_j D_j as bf16 parts in hi_s / lo_s (KDA: staged during the previous item, see
-    # _flush_one; GDN: here, where they cost less than staging them ahead)
-    if not IS_KDA:
-        _stage_keys(bufs, hi_s, lo_s, IS_KDA)
-        gl.thread_barrier()                     # (both parts in one round: Triton's convert_layout took 3 + 4 barriers)
+    # the window: keys_j = w_j kbuf_j D_j as bf16 parts in hi_s / lo_s (staged one item ahead they measured -2.1 % for
+    # KDA in the unpipelined loop of 6bac089, +1.5 % beside the previous item's tail)
+    _stage_keys(bufs, hi_s, lo_s, IS_KDA)
+    gl.thread_barrier()                         # (both parts in one round: Triton's convert_layout took 3 + 4 barriers)
     ubT = ub_s.permute([1, 0]).load(A_OP)
     S = mma_v2(ubT, hi_s.permute([1, 0]).load(B_OP), S)
     S = mma_v2(ubT, lo_s.permute([1, 0]).load(B_OP), S)
@@ -373,71 +373,63 @@ def _own_columns(T, IS_MAX: gl.constexpr):
     return gl.sum(part, 1)
 
 
+# Every exchange below is split into the write of its buffer and the read after the next barrier, so that the caller
+# places the barriers: one barrier then serves the exchanges of two items in flight (see _flush_item). Each buffer is
+# written once per phase that uses it, and a barrier lies between its previous reads and that write.
 @gluon.jit
-def _exchange(x, buf, OUT: gl.constexpr):
-    """x into layout OUT through ``buf``, a shared buffer of its own, in one round (one barrier). Each buffer is
-    written once per phase that uses it, and a barrier lies between its previous reads and this write."""
-    buf.store(x)
-    gl.thread_barrier()
-    return buf.load(OUT)
+def _put4(a, b, c, d, xs):
+    """Four tensors stacked into their exchange buffer ``xs`` in one round: the partials of four column sums [16, K]
+    or row sums [V, 16] (COL_XCHG_SMEM, ROW_XCHG_SMEM), or four VEC vectors to redistribute (COLS_XCHG_SMEM,
+    ROWS_XCHG_SMEM; read back by :func:`_spread_get`)."""
+    xs.store(gl.join(gl.join(a, b), gl.join(c, d)))
 
 
 @gluon.jit
-def _finish4(a, b, c, d, AXIS: gl.constexpr, xs, vs):
-    """Four partial tensors ([16, K], AXIS 0, or [V, 16], AXIS 1) summed along AXIS into four VEC vectors. All four
-    go through one exchange in shared memory (``xs``: COL_XCHG_SMEM or ROW_XCHG_SMEM) into the threads that own an
-    output (8 + 8 partials in two lanes: a reduce-scatter), then through one more (``vs``) to every warp: two
-    barriers for four sums."""
-    four = gl.join(gl.join(a, b), gl.join(c, d))
+def _sum4(xs, vs, AXIS: gl.constexpr):
+    """After a barrier: the four sums' partials read from ``xs`` by the threads that own an output (8 + 8 partials in
+    two lanes: a reduce-scatter), summed along AXIS and written to ``vs`` (VEC_XCHG_SMEM)."""
     if AXIS == 0:
-        four = _exchange(four, xs, COL_PARTIALS4)
+        four = xs.load(COL_PARTIALS4)
     else:
-        four = _exchange(four, xs, ROW_PARTIALS4)
-    ab, cd = gl.split(_exchange(gl.sum(four, AXIS), vs, VEC4))
-    a, b = gl.split(ab)
-    c, d = gl.split(cd)
-    return (gl.convert_layout(a, VEC, assert_trivial=True), gl.convert_layout(b, VEC, assert_trivial=True),
-            gl.convert_layout(c, VEC, assert_trivial=True), gl.convert_layout(d, VEC, assert_trivial=True))
+        four = xs.load(ROW_PARTIALS4)
+    vs.store(gl.sum(four, AXIS))
 
 
 @gluon.jit
-def _finish1(part, AXIS: gl.constexpr, IS_MAX: gl.constexpr, OUT: gl.constexpr, xs, os):
-    """One partial tensor reduced along AXIS (sum or max) as in :func:`_finish4` into layout OUT, through ``xs``
-    (COL1_XCHG_SMEM or ROW1_XCHG_SMEM) and ``os`` (a plain [128] buffer)."""
-    if AXIS == 0:
-        part = _exchange(part, xs, COL_PARTIALS)
-    else:
-        part = _exchange(part, xs, ROW_PARTIALS)
-    if IS_MAX:
-        return _exchange(gl.max(part, AXIS), os, OUT)
-    return _exchange(gl.sum(part, AXIS), os, OUT)
-
-
-@gluon.jit
-def _column_products(S, x0, x1, x2, x3, xs, vs):
-    """S^T x (four VEC K-vectors) for four V-vectors x (ROWS); ``xs``, ``vs`` the exchange buffers of
-    :func:`_finish4`."""
-    return _finish4(_own_rows(S * x0[:, None], False), _own_rows(S * x1[:, None], False),
-                    _own_rows(S * x2[:, None], False), _own_rows(S * x3[:, None], False), 0, xs, vs)
-
-
-@gluon.jit
-def _row_products(S, x0, x1, x2, x3, xs, vs):
-    """S x (four VEC V-vectors) for four K-vectors x (COLS)."""
-    return _finish4(_own_columns(S * x0[None, :], False), _own_columns(S * x1[None, :], False),
-                    _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), 1, xs, vs)
-
-
-@gluon.jit
-def _redistribute4(a, b, c, d, OUT: gl.constexpr, xs):
-    """Four VEC vectors into OUT (ROWS or COLS) through one exchange in shared memory (``xs``: one barrier, not
-    four)."""
-    OUT4: gl.constexpr = stacked4_layout(gl.to_linear_layout(OUT, [_V]))
-    ab, cd = gl.split(_exchange(gl.join(gl.join(a, b), gl.join(c, d)), xs, OUT4))
+def _split4(four, OUT: gl.constexpr):
+    ab, cd = gl.split(four)
     a, b = gl.split(ab)
     c, d = gl.split(cd)
     return (gl.convert_layout(a, OUT, assert_trivial=True), gl.convert_layout(b, OUT, assert_trivial=True),
             gl.convert_layout(c, OUT, assert_trivial=True), gl.convert_layout(d, OUT, assert_trivial=True))
+
+
+@gluon.jit
+def _get4(vs):
+    """After a barrier: the four sums of :func:`_sum4`, whole in every warp (four VEC vectors)."""
+    return _split4(vs.load(VEC4), VEC)
+
+
+@gluon.jit
+def _column_partials(S, x0, x1, x2, x3, xs):
+    """The partials of S^T x for four V-vectors x (ROWS) into ``xs``: each thread's own 8 rows, one FMA chain each."""
+    _put4(_own_rows(S * x0[:, None], False), _own_rows(S * x1[:, None], False), _own_rows(S * x2[:, None], False),
+          _own_rows(S * x3[:, None], False), xs)
+
+
+@gluon.jit
+def _row_partials(S, x0, x1, x2, x3, xs):
+    """The partials of S x for four K-vectors x (COLS) into ``xs``."""
+    _put4(_own_columns(S * x0[None, :], False), _own_columns(S * x1[None, :], False),
+          _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), xs)
+
+
+@gluon.jit
+def _spread_get(xs, OUT: gl.constexpr):
+    """After a barrier: four VEC vectors written to ``xs`` by :func:`_put4` read back in layout OUT (ROWS or COLS):
+    one exchange for four redistributions."""
+    OUT4: gl.constexpr = stacked4_layout(gl.to_linear_layout(OUT, [_V]))
+    return _split4(xs.load(OUT4), OUT)
 
 
 # ---- (3) orthonormalisation --------------------------------------------------------------------------------------
@@ -501,42 +493,135 @@ def _store_tokens(tok, new_s, U4, Q4):
     new_s.slice(0, 2 * _R).slice(_K, _V, dim=1).store(q8)
 
 
-# ---- one item, top-down ------------------------------------------------------------------------------------------
+# ---- (6) - (8) an item's tail: scales, codes, window reset -------------------------------------------------------
+# Four exchanges, so four barriers: _flush_item runs them for the previous item at barriers of its own (loads first,
+# then arithmetic, then stores: ptxas keeps shared-memory accesses it cannot tell apart in program order, so a store
+# of one item written before a load of the other would serialise their latencies); _flush_tail for the last item.
 @gluon.jit
-def _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
-               gbuf_ptr, code, code_next, has_next, H, SS, IS_KDA: gl.constexpr):
-    """Flush item ``code`` in place (its inputs already in the shared buffers ``bufs``), and start copying
-    ``code_next``'s as soon as the buffers are read."""
-    rv = gl.arange(0, _V, layout=ROWS)
-    rk = gl.arange(0, _K, layout=COLS)
+def _colsum_partials(E, col1_xs):
+    """The partials of sum_v |E| per column (E [V, K], STATE) into ``col1_xs`` (COL1_XCHG_SMEM)."""
+    col1_xs.store(_own_rows(gl.abs(E), False))
+
+
+@gluon.jit
+def _column_scales(E, colsum, row1_xs, s_k_ptr, valid):
+    """From the column sums of |E| (COLS): s_k = max(sqrt(mean_v |E|), eps) by one rsqrt (m * rsqrt(m) is sqrt(m) to
+    ~2 ulp; m floored at eps^2 first, so a zero column gets s_k = eps) stored to ``s_k_ptr`` [K] where ``valid``;
+    returns x = E / s_k [V, K] (STATE) and writes the partials of max_k |x| per row into ``row1_xs``."""
+    m = gl.maximum(colsum * (1.0 / _V), _EPS * _EPS)
+    inv_sk = gl.rsqrt(m)
+    gl.store(s_k_ptr + gl.arange(0, _K, layout=COLS), gl.maximum(m * inv_sk, _EPS), mask=valid)
+    x = E * inv_sk[None, :]
+    row1_xs.store(_own_columns(gl.abs(x), True))
+    return x
+
+
+@gluon.jit
+def _code_bytes(x, rowmax):
+    """From max_k |x| per row (ROWS): s_v = max(max_k |x|, eps) and the codes round_half_even(127 x / s_v) (|x| <= s_v:
+    inside [-127, 127] without a clamp) as bytes [V, K] (STATE)."""
+    s_v = gl.maximum(rowmax, _EPS)
+    y = x * (_QMAX / s_v)[:, None]
+    return s_v, ((y + _RINT_MAGIC).to(gl.int32, bitcast=True) & _BYTE).to(gl.uint8)
+
+
+@gluon.jit
+def _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region, prog, valid,
+                           IS_KDA: gl.constexpr):
+    """s_v and the codes to the pool region, the codes as 16-byte vectors after one exchange through shared memory
+    (the state layout's 2-byte pieces were 32 stores per thread, and the store queue throttled the end of every
+    item); then the window reset (hcnt stays L: "flushed, empty"). Nothing is written where ``valid`` is false."""
+    gl.store(raw_f32 + region + _SK_WORD + _K + gl.arange(0, _V, layout=ROWS), s_v, mask=valid)
+    codes = gl.convert_layout(codes, BYTES)
+    cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
+    ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
+    gl.store(raw_u8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :], codes, mask=valid)
+    gl.store(w_ptr + prog * _L + gl.arange(0, _L, layout=WORDS), gl.zeros([_L], gl.float32, layout=WORDS),
+             mask=valid)
+    if IS_KDA:
+        gl.store(gate_ptr + prog * _K + gl.arange(0, _K, layout=WORDS), gl.zeros([_K], gl.float32, layout=WORDS),
+                 mask=valid)
+        rl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
+        rh = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
+        gl.store(gbuf_ptr + prog * (_L * _K) + rl[:, None] * _K + rh[None, :],
+                 gl.full([_L, _K], 1.0, gl.float16, layout=HALVES), mask=valid)
+    else:
+        gl.store(gate_ptr + prog, 1.0, mask=valid)
+
+
+@gluon.jit
+def _flush_tail(E, xbufs, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA: gl.constexpr):
+    """The last item's tail on its own (its column partials already written by :func:`_flush_item`)."""
     region, prog = _region(code, H, SS)
     col_xs, row_xs, vec_xs, cols_xs, rows_xs, col1_xs, row1_xs, kvec_xs, vvec_xs, hi_s, lo_s = xbufs
+    gl.thread_barrier()
+    kvec_xs.store(gl.sum(col1_xs.load(COL_PARTIALS), 0))
+    gl.thread_barrier()
+    x = _column_scales(E, kvec_xs.load(COLS), row1_xs, raw_f32 + region + _SK_WORD, True)
+    gl.thread_barrier()
+    vvec_xs.store(gl.max(row1_xs.load(ROW_PARTIALS), 1))
+    gl.thread_barrier()
+    s_v, codes = _code_bytes(x, vvec_xs.load(ROWS))
+    _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region, prog, True, IS_KDA)
 
-    # (1) rebuild, from the shared buffers, which then take the next item's copies
+
+# ---- one item, top-down, beside the previous item's tail ---------------------------------------------------------
+@gluon.jit
+def _flush_item(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
+                gbuf_ptr, code, code_next, has_next, E_prev, code_prev, has_prev, H, SS, IS_KDA: gl.constexpr):
+    """Flush item ``code`` (its inputs already in the shared buffers ``bufs``) up to its residual E [V, K] (STATE),
+    returned with the partials of its first scale written (the next call or :func:`_flush_tail` finishes it), and
+    start copying ``code_next``'s inputs as soon as the buffers are read. Beside its rebuild, P and Q it finishes the
+    previous item ``code_prev`` from its residual ``E_prev`` (stores only where ``has_prev``): the two items share
+    their barriers, and each one's exchanges and reductions fill the other's waits - one 8-warp program per SM has no
+    other warps to hide them (-9.6 % all due for GDN, -1.5 % for KDA at batch 256; bench/notes/triton.md)."""
+    region, prog = _region(code, H, SS)
+    region_prev, prog_prev = _region(code_prev, H, SS)
+    col_xs, row_xs, vec_xs, cols_xs, rows_xs, col1_xs, row1_xs, kvec_xs, vvec_xs, hi_s, lo_s = xbufs
+
+    # (1) rebuild, from the shared buffers, which then take the next item's copies | previous: column sums of |E|
+    part = col1_xs.load(COL_PARTIALS)
     S = _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA)
+    kvec_xs.store(gl.sum(part, 0))
     gl.thread_barrier()
     _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code_next, has_next, H,
               SS, IS_KDA)
 
     # (2), (3) one subspace iteration from q0: P = orth(S^T q0) (one CholeskyQR pass), Q = orth(S P), U = S^T Q
-    p0, p1, p2, p3 = _column_products(S, q0_s.slice(0, _V).load(ROWS), q0_s.slice(_V, _V).load(ROWS),
-                                      q0_s.slice(2 * _V, _V).load(ROWS), q0_s.slice(3 * _V, _V).load(ROWS), col_xs,
-                                      vec_xs)
+    #     | previous: s_k, x = E / s_k, the row maxima of |x|, s_v and the codes
+    colsum = kvec_xs.load(COLS)
+    _column_partials(S, q0_s.slice(0, _V).load(ROWS), q0_s.slice(_V, _V).load(ROWS), q0_s.slice(2 * _V, _V).load(ROWS),
+                     q0_s.slice(3 * _V, _V).load(ROWS), col_xs)
+    x_prev = _column_scales(E_prev, colsum, row1_xs, raw_f32 + region_prev + _SK_WORD, has_prev)
+    gl.thread_barrier()
+    four = col_xs.load(COL_PARTIALS4)
+    part = row1_xs.load(ROW_PARTIALS)
+    vec_xs.store(gl.sum(four, 0))
+    vvec_xs.store(gl.max(part, 1))
+    gl.thread_barrier()
+    p0, p1, p2, p3 = _get4(vec_xs)
     p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, 1)
-    p0, p1, p2, p3 = _redistribute4(p0, p1, p2, p3, COLS, cols_xs)
-    c0, c1, c2, c3 = _row_products(S, p0, p1, p2, p3, row_xs, vec_xs)
-    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)
-    if IS_KDA:
-        # the next item's KDA keys (their decay products: ~150 instructions per thread) staged here, where the
-        # orthonormalisation's chain leaves issue slots free, instead of on the next rebuild's path (-2.1 % all due
-        # at batch 256; GDN's keys, without decay, measured +2.3 % staged ahead and stay in the rebuild). The
-        # copies are this thread's; the exchange's barrier makes every thread's visible
-        async_copy.wait_group(0)
-    r0, r1, r2, r3 = _redistribute4(c0, c1, c2, c3, ROWS, rows_xs)
-    if IS_KDA:
-        if has_next:
-            _stage_keys(bufs, hi_s, lo_s, IS_KDA)
-    U0, U1, U2, U3 = _column_products(S, r0, r1, r2, r3, col_xs, vec_xs)
+    _put4(p0, p1, p2, p3, cols_xs)
+    gl.thread_barrier()
+    p0, p1, p2, p3 = _spread_get(cols_xs, COLS)
+    _row_partials(S, p0, p1, p2, p3, row_xs)
+    gl.thread_barrier()
+    _sum4(row_xs, vec_xs, 1)
+    gl.thread_barrier()
+    c0, c1, c2, c3 = _get4(vec_xs)
+    rowmax = vvec_xs.load(ROWS)
+    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)     # (a latency chain: the codes' arithmetic fills it)
+    s_v_prev, codes_prev = _code_bytes(x_prev, rowmax)
+    _put4(c0, c1, c2, c3, rows_xs)
+    _store_codes_and_reset(s_v_prev, codes_prev, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region_prev, prog_prev,
+                           has_prev, IS_KDA)
+    gl.thread_barrier()
+    r0, r1, r2, r3 = _spread_get(rows_xs, ROWS)
+    _column_partials(S, r0, r1, r2, r3, col_xs)
+    gl.thread_barrier()
+    _sum4(col_xs, vec_xs, 0)
+    gl.thread_barrier()
+    U0, U1, U2, U3 = _get4(vec_xs)
 
     # (4) tokens; (5) the residual E = S - q^T u with exactly the stored fp16 tokens, on the tensor cores (their
     #     operands read back from shared memory after a barrier)
@@ -545,36 +630,9 @@ def _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     gl.thread_barrier()
     qT, u = _token_operands(new_s)
     E = mma_v2(-qT, u, S)
-
-    # (6) smoothing: s_k = max(sqrt(mean_v |E|), eps) by one rsqrt (m * rsqrt(m) is sqrt(m) to ~2 ulp; m floored at
-    #     eps^2 first, so a zero column gets s_k = eps), x = E / s_k, s_v = max(max_k |x|, eps)
-    m = gl.maximum(_finish1(_own_rows(gl.abs(E), False), 0, False, COLS, col1_xs, kvec_xs) * (1.0 / _V), _EPS * _EPS)
-    inv_sk = gl.rsqrt(m)
-    s_k = gl.maximum(m * inv_sk, _EPS)
-    x = E * inv_sk[None, :]
-    s_v = gl.maximum(_finish1(_own_columns(gl.abs(x), True), 1, True, ROWS, row1_xs, vvec_xs), _EPS)
-    gl.store(raw_f32 + region + _SK_WORD + rk, s_k)
-    gl.store(raw_f32 + region + _SK_WORD + _K + rv, s_v)
-
-    # (7) codes = round_half_even(127 x / s_v) (|x| <= s_v: inside [-127, 127] without a clamp), stored as 16-byte
-    #     vectors after one exchange through shared memory (the state layout's 2-byte pieces were 32 stores per
-    #     thread, and the store queue throttled the end of every item)
-    y = x * (_QMAX / s_v)[:, None]
-    codes = gl.convert_layout(((y + _RINT_MAGIC).to(gl.int32, bitcast=True) & _BYTE).to(gl.uint8), BYTES)
-    cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
-    ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
-    gl.store(raw_u8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :], codes)
-
-    # (8) window reset (hcnt stays L: "flushed, empty")
-    gl.store(w_ptr + prog * _L + gl.arange(0, _L, layout=WORDS), gl.zeros([_L], gl.float32, layout=WORDS))
-    if IS_KDA:
-        gl.store(gate_ptr + prog * _K + gl.arange(0, _K, layout=WORDS), gl.zeros([_K], gl.float32, layout=WORDS))
-        rl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
-        rh = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
-        gl.store(gbuf_ptr + prog * (_L * _K) + rl[:, None] * _K + rh[None, :],
-                 gl.full([_L, _K], 1.0, gl.float16, layout=HALVES))
-    else:
-        gl.store(gate_ptr + prog, 1.0)
+    # (6) the tail's first step, read after the next barrier (the next item's or _flush_tail's)
+    _colsum_partials(E, col1_xs)
+    return E
 
 
 # ---- the kernel ----------------------------------------------------------------------------------------------------
@@ -627,17 +685,23 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
         new_s.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
         qi = gl.arange(0, _R * _V, layout=WORDS)
         q0_s.store(gl.load(q0_ptr + (qi % _V) * _R + qi // _V))
+        # one loop body for every item: the first one finishes a zero "previous item" with its stores masked (a
+        # separate first-item copy of the body measured +18 % at 1/16 due: its code is fetched cold)
+        E = gl.zeros([_V, _K], gl.float32, layout=STATE)
+        _colsum_partials(E, xbufs[5])
+        code_prev = code + 0                     # (a value of its own: Triton carries a loop variable only if the
+        #                                          body changes its handle, which `code_prev = code` would not)
         while t < total:
             t_next = t + G
             code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
             async_copy.wait_group(0)
             gl.thread_barrier()                  # this item's copies (every thread's) landed and are visible
-            if IS_KDA:
-                if t == pid:                     # (later items' keys are staged during the item before)
-                    _stage_keys(bufs, xbufs[9], xbufs[10], IS_KDA)
-                    gl.thread_barrier()
-            _flush_one(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
-                       gbuf_ptr, code, code_next, t_next < total, H, SS, IS_KDA)
+            E = _flush_item(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr,
+                            gate_ptr, gbuf_ptr, code, code_next, t_next < total, E, code_prev, t > pid, H, SS,
+                            IS_KDA)
+            if t_next >= total:                  # the last item's tail now, with nothing beside it
+                _flush_tail(E, xbufs, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA)
+            code_prev = code
             code = code_next
             t = t_next
 
