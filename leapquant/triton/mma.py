@@ -574,7 +574,8 @@ def _flush_item(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf
     start copying ``code_next``'s inputs as soon as the buffers are read. Beside its rebuild, P and Q it finishes the
     previous item ``code_prev`` from its residual ``E_prev`` (stores only where ``has_prev``): the two items share
     their barriers, and each one's exchanges and reductions fill the other's waits - one 8-warp program per SM has no
-    other warps to hide them (-9.6 % all due for GDN, -1.5 % for KDA at batch 256; bench/notes/triton.md)."""
+    other warps to hide them (-6.0 % all due for KDA, -6.6 % for GDN at batch 256 against the unpipelined loop in one
+    call; bench/notes/triton.md, session 14)."""
     region, prog = _region(code, H, SS)
     region_prev, prog_prev = _region(code_prev, H, SS)
     col_xs, row_xs, vec_xs, cols_xs, rows_xs, col1_xs, row1_xs, kvec_xs, vvec_xs, hi_s, lo_s = xbufs
