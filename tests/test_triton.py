@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -218,6 +219,36 @@ def test_gluon_exchanges_conflict_free():
     found = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     assert len(found) == 20 and "col4-read" in found and "keys-write" in found, found
     assert all(v == 0 for v in found.values()), f"bank conflicts (excess wavefronts per access): {found}"
+
+
+def test_gluon_code_dequantisation():
+    """The Gluon kernel's dequantisation (mma._CODE_BYTES_ASM: a sign flip and a byte permute into the float 1.0, then
+    one FMA with _CODE_SCALE and _CODE_SHIFT) emulated bit for bit, from the asm text, for every code and s_k over 60
+    binades: within 2^-9 of a code step of the exact c s_k / 127."""
+    run = _gluon_child("from leapquant.triton import mma as m; "
+                       "print(repr((m._CODE_BYTES_ASM.value, m._CODE_SCALE.value, m._CODE_SHIFT.value)))")
+    asm, scale, shift = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    flip = int(re.search(r"xor\.b32 t, \$2, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    one = int(re.search(r"mov\.b32 one, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    sels = [int(v, 16) for v in re.findall(r"prmt\.b32 \$[01], t, one, (0x[0-9A-Fa-f]+);", asm)]
+    assert len(sels) == 2, asm
+
+    def prmt(a: int, b: int, sel: int) -> int:       # PTX prmt.b32 (default mode): byte i of {b, a} per selector nibble
+        src = a | (b << 32)
+        return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+    codes = list(range(-127, 128))
+    pairs = [(c & 0xFF) | ((codes[(i + 7) % len(codes)] & 0xFF) << 8) for i, c in enumerate(codes)]
+    x = torch.tensor([[prmt(w ^ flip, one, sel) for sel in sels] for w in pairs], dtype=torch.int64)
+    x = x.to(torch.int32).view(torch.float32).double()                 # [255, 2]: the pair's two codes
+    c = torch.tensor([[c, codes[(i + 7) % len(codes)]] for i, c in enumerate(codes)], dtype=torch.float64)
+    s_k = torch.logspace(-30, 30, 61, dtype=torch.float64).float()
+    a = s_k * torch.tensor(scale, dtype=torch.float32)                 # fp32, as in the kernel
+    b = a * torch.tensor(shift, dtype=torch.float32)
+    got = (x[:, :, None] * a.double() - b.double()).float().double()    # an FMA: exact product, one rounding
+    step = s_k.double() / 127
+    err = ((got - c[:, :, None] * step) / step).abs()
+    assert err.max() <= 2.0 ** -9, f"worst {err.max():.3g} code steps off"
 
 
 def test_kernel_choice(monkeypatch):

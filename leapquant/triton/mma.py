@@ -71,10 +71,17 @@ _ABS_FLOOR = gl.constexpr(1e-36)
 #: 1.5 * 2^23: adding it rounds |y| < 2^22 to an integer, ties to even, left in the low mantissa bits (the low byte is
 #: the int8 code): no rounding or conversion instruction (the tl kernel's _RINT_MAGIC)
 _RINT_MAGIC = gl.constexpr(12582912.0)
-#: a code c in [-127, 127] plus the bits of the float 2^23 + 128 is the float 2^23 + 128 + c, and subtracting
-#: 2^23 + 128 from it is exact: the code as fp32 without an integer-to-float conversion
-_CODE_BIAS_BITS = gl.constexpr(0x4B000080)
-_CODE_OFFSET = gl.constexpr(8388736.0)
+#: the dequantisation in two instructions per code: a code byte c with its sign bit flipped is u = c + 128, and one
+#: byte permute puts u into bits 8..15 of the float 1.0, which makes x = 1 + u 2^-15 (_CODE_BYTES_ASM, two codes per
+#: call: the xor flips both sign bits of the pair's 16-bit word); then c s_k / 127 = x A - B is one FMA with
+#: A = 2^15 s_k / 127 (exact: a power of two times the rounded s_k / 127) and B = (1 + 2^-8) A, rounded once: at most
+#: 2^-9 of a code step off (the integer route - sign extension, integer add, float subtract - took three; -1.8 % KDA
+#: batch 256 on the H200, bench/notes/triton.md session 15)
+_CODE_SCALE = gl.constexpr(32768.0 / 127.0)
+_CODE_SHIFT = gl.constexpr(1.0 + 2.0 ** -8)
+_CODE_BYTES_ASM = gl.constexpr(
+    "{ .reg .b32 t, one; xor.b32 t, $2, 0x8080; mov.b32 one, 0x3F800000; "
+    "prmt.b32 $0, t, one, 0x7604; prmt.b32 $1, t, one, 0x7614; }")
 _BYTE = gl.constexpr(0xFF)
 
 # ---- layouts (8 warps) ---------------------------------------------------------------------------------------------
@@ -96,9 +103,10 @@ COL_PARTIALS4 = gl.constexpr(gl.BlockedLayout([8, 1, 2, 2], [2, 16, 1, 1], [1, W
 ROW_PARTIALS4 = gl.constexpr(gl.BlockedLayout([1, 8, 2, 2], [16, 2, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0]))
 COL_PARTIALS = gl.constexpr(gl.BlockedLayout([8, 1], [2, 16], [1, WARPS], [0, 1]))
 ROW_PARTIALS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [WARPS, 1], [1, 0]))
-#: [K, L] window tiles, transposed: a whole column of the window in one thread, so that the decay products D_j are
-#: multiplications inside a thread (warps 4-7 repeat warps 0-3)
-WINDOW = gl.constexpr(gl.BlockedLayout([1, L], [32, 1], [WARPS, 1], [1, 0]))
+#: [K, L] window tiles, transposed: half a column of the window (8 entries) in one thread, four warps the lower halves
+#: and four the upper ones, so that the decay products D_j are multiplications inside a thread and no warp repeats
+#: another's keys (a whole column per thread, warps 4-7 repeating 0-3, measured +1.3 % KDA, +2.9 % GDN)
+WINDOW = gl.constexpr(gl.BlockedLayout([1, L // 2], [32, 1], [WARPS // 2, 2], [1, 0]))
 #: 16-byte pieces: [V, K] int8 codes (16 of a row per thread), [L, K] 16-bit window tensors (8 of a row)
 BYTES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
 HALVES = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0]))
@@ -263,64 +271,60 @@ def _token_operands(tok_s):
 
 
 @gluon.jit
-def _halves(x, N: gl.constexpr):
-    """[K, N] (N in a thread's registers) -> its lower and upper halves along the last axis (no data moves)."""
-    lo, hi = gl.split(gl.permute(gl.reshape(x, [_K, 2, N // 2]), [0, 2, 1]))
-    return lo, hi
+def _eighths(x):
+    """[K, 2, 8] (the last axis in a thread's registers) -> its 8 slices [K, 2] along that axis (no data moves)."""
+    x = gl.reshape(x, [_K, 2, 2, 2, 2])          # e = 4 e2 + 2 e1 + e0
+    x0, x1 = gl.split(x)
+    x00, x01 = gl.split(x0)
+    x10, x11 = gl.split(x1)
+    a0, a4 = gl.split(x00)
+    a2, a6 = gl.split(x01)
+    a1, a5 = gl.split(x10)
+    a3, a7 = gl.split(x11)
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @gluon.jit
-def _whole(lo, hi, N: gl.constexpr):
-    """The inverse of :func:`_halves`."""
-    hi = gl.convert_layout(hi, lo.type.layout, assert_trivial=True)
-    return gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [_K, N])
+def _from_eighths(a0, a1, a2, a3, a4, a5, a6, a7):
+    """The inverse of :func:`_eighths`."""
+    x0 = gl.join(gl.join(a0, a4), gl.join(a2, a6))
+    x1 = gl.join(gl.join(a1, a5), gl.join(a3, a7))
+    return gl.reshape(gl.join(x0, x1), [_K, 2, 8])
 
 
 @gluon.jit
-def _times_product_of(d, hi):
-    """d [K, n] times the product of hi [K, n] along its last axis (inside a thread)."""
-    p = gl.convert_layout(gl.reduce(hi, 1, _mul), gl.SliceLayout(1, d.type.layout), assert_trivial=True)
-    return d * p[:, None]
-
-
-@gluon.jit
-def _suffix2(x):
-    """Exclusive suffix products along the last axis of [K, 2]: (x_1, 1)."""
-    a, b = gl.split(x)
-    return gl.join(b, gl.full_like(b, 1.0))
-
-
-@gluon.jit
-def _suffix4(x):
-    lo, hi = _halves(x, 4)
-    return _whole(_times_product_of(_suffix2(lo), hi), _suffix2(hi), 4)
-
-
-@gluon.jit
-def _suffix8(x):
-    lo, hi = _halves(x, 8)
-    return _whole(_times_product_of(_suffix4(lo), hi), _suffix4(hi), 8)
-
-
-@gluon.jit
-def _decay_products(g):
-    """D_j = prod_{i > j} g_i along the last axis of g [K, L = 16] (the window in a thread's registers): by halves,
-    each lower half's products times its upper half's total (~20 multiplications, no shuffles: a Triton scan along
-    that axis still ran shuffle steps)."""
-    lo, hi = _halves(g, 16)
-    return _whole(_times_product_of(_suffix8(lo), hi), _suffix8(hi), 16)
+def _decay_products(g, top):
+    """D_j = prod_{i > j} g_i [K, 2, 8] for the window's gates g [K, 2, 8] (entry j = 8 h + e at [:, h, e], each half h
+    in one warp's registers): within a half, a chain of 7 multiplications from ``top`` [K, 2] (the product of the
+    upper half's gates for h = 0, 1 for h = 1)."""
+    g0, g1, g2, g3, g4, g5, g6, g7 = _eighths(g)
+    d7 = gl.convert_layout(top, g7.type.layout, assert_trivial=True)
+    d6 = d7 * g7
+    d5 = d6 * g6
+    d4 = d5 * g5
+    d3 = d4 * g4
+    d2 = d3 * g3
+    d1 = d2 * g2
+    d0 = d1 * g1
+    return _from_eighths(d0, d1, d2, d3, d4, d5, d6, d7)
 
 
 @gluon.jit
 def _stage_keys(bufs, hi_s, lo_s, IS_KDA: gl.constexpr):
     """The window keys w_j kbuf_j D_j [K, L] in fp32 from the shared buffers, split into bf16 hi + lo (hi = round(key),
     lo = round(key - hi): 2^-17 relative; bf16 x bf16 products are exact in fp32) into ``hi_s`` / ``lo_s``: the
-    rebuild's mma operand."""
+    rebuild's mma operand. Each warp makes half of a column's entries (:data:`WINDOW`)."""
     codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
     keys = kb_s.permute([1, 0]).load(WINDOW).to(gl.float32) * w_s.load(gl.SliceLayout(0, WINDOW))[None, :]
     if IS_KDA:
-        # (the products come back with the window's registers in another order: renamed, not moved)
-        keys = keys * gl.convert_layout(_decay_products(gb_s.permute([1, 0]).load(WINDOW).to(gl.float32)), WINDOW)
+        g = gl.reshape(gb_s.permute([1, 0]).load(WINDOW).to(gl.float32), [_K, 2, _L // 2])
+        # the upper half's product, in every warp: the lower half's chain starts from it
+        upper = gb_s.slice(_L // 2, _L // 2).permute([1, 0]).load(WINDOW).to(gl.float32)
+        p = gl.reduce(upper, 1, _mul)
+        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, g.type.layout)))
+        p = gl.convert_layout(p, gl.SliceLayout(1, gl.SliceLayout(2, g.type.layout)), assert_trivial=True)
+        top = gl.where(h[None, :] == 0, p[:, None], 1.0)
+        keys = keys * gl.convert_layout(gl.reshape(_decay_products(g, top), [_K, _L]), WINDOW)
     hi = keys.to(gl.bfloat16)
     hi_s.store(hi)
     lo_s.store((keys - hi.to(gl.float32)).to(gl.bfloat16))
@@ -332,10 +336,11 @@ def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     shared buffers: the dequantisation on the CUDA cores, both rank updates on the tensor cores (the keys as bf16
     parts through hi_s / lo_s)."""
     codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
-    col = sc_s.slice(0, _K).load(COLS) * (1.0 / _QMAX)
+    a = sc_s.slice(0, _K).load(COLS) * _CODE_SCALE
     s_v = sc_s.slice(_K, _V).load(ROWS)
-    biased = (codes_s.load(STATE).to(gl.int32) + _CODE_BIAS_BITS).to(gl.float32, bitcast=True)
-    S = (biased - _CODE_OFFSET) * col[None, :] * s_v[:, None]
+    x = gl.inline_asm_elementwise(_CODE_BYTES_ASM, "=r,=r,r", [codes_s.load(STATE)], dtype=gl.float32, is_pure=True,
+                                  pack=2)
+    S = gl.fma(x, a[None, :], -(a * _CODE_SHIFT)[None, :]) * s_v[:, None]        # codes s_k / 127 s_v
     qT, u = _token_operands(tok_s)
     S = mma_v2(qT, u, S)                        # fp16 x fp16 products are exact in the fp32 accumulator
     if IS_KDA:
