@@ -251,6 +251,48 @@ def test_gluon_code_dequantisation():
     assert err.max() <= 2.0 ** -9, f"worst {err.max():.3g} code steps off"
 
 
+def _run_warp_asm(asm: str, inputs: list[list[float]], n_out: int) -> list[list[float]]:
+    """Runs the PTX of an inline-asm block over a warp's 32 lanes (``inputs[lane]`` are $n_out, $n_out + 1, ...),
+    for the few instructions the kernel's asm uses; returns each lane's outputs $0 .. $n_out - 1."""
+    regs = [{f"${n_out + i}": v for i, v in enumerate(row)} for row in inputs]
+
+    def val(lane: int, x: str):
+        return lane if x == "%laneid" else regs[lane][x] if x in regs[lane] else int(x, 0)
+
+    for stmt in (t.strip() for t in asm.strip()[1:-1].split(";")):
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        a = [x.strip() for x in rest.split(",")]
+        step = {
+            "mov.u32": lambda lane: val(lane, a[1]),
+            "and.b32": lambda lane: val(lane, a[1]) & val(lane, a[2]),
+            "setp.ne.u32": lambda lane: val(lane, a[1]) != val(lane, a[2]),
+            "selp.f32": lambda lane: val(lane, a[1]) if val(lane, a[3]) else val(lane, a[2]),
+            "add.f32": lambda lane: val(lane, a[1]) + val(lane, a[2]),
+            "shfl.sync.bfly.b32": lambda lane: val(lane ^ int(a[2], 0), a[1]),
+            "shfl.sync.idx.b32": lambda lane: val(int(a[2], 0), a[1]),
+        }[op]                                           # (an instruction not listed here fails the test: KeyError)
+        new = [step(lane) for lane in range(32)]        # every lane reads before any lane writes, as in a warp
+        for lane in range(32):
+            regs[lane][a[0]] = new[lane]
+    return [[regs[lane][f"${j}"] for j in range(n_out)] for lane in range(32)]
+
+
+def test_gluon_gram_reduction():
+    """The Gluon kernel's Gram-matrix reduction (mma._GRAM_ASM: a reduce-scatter over the lanes, then each sum read
+    from a lane holding it) run instruction by instruction over a warp: every lane ends with all ten sums (integers,
+    so exactly)."""
+    run = _gluon_child("from leapquant.triton import mma as m; print(repr(m._GRAM_ASM.value))")
+    asm = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        parts = torch.randint(-1000, 1000, (32, 10), generator=gen).tolist()
+        sums = [sum(row[j] for row in parts) for j in range(10)]
+        got = _run_warp_asm(asm, parts, 10)
+        assert all(row == sums for row in got), f"lane 0 got {got[0]}, want {sums}"
+
+
 def test_kernel_choice(monkeypatch):
     """LEAPQUANT_TRITON_KERNEL picks the kernel: a bad value is a ValueError naming the choices, also among the
     backend's reasons (so a forced backend raises with it, auto skips it); "mma" where the Gluon kernel cannot run

@@ -19,7 +19,8 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
                         of its own in one round (the *_XCHG_SMEM layouts: hand-built, free of bank conflicts), its
                         write and its read on either side of a barrier the caller places
     _orthonormalize     CholeskyQR (one pass for P, two for Q, floored pivots) on the vectors held whole by every
-                        warp (:data:`VEC`): the Gram matrices are warp-local shuffle reductions, no barrier
+                        warp (:data:`VEC`): the Gram matrices are warp-local reduce-scatters over the lanes
+                        (:data:`_GRAM_ASM`), no barrier
     _store_tokens       u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool and to shared memory
     (residual)          E = S - q^T u on the tensor cores with exactly the stored tokens
     (scales, codes)     s_k, s_v (reduce-scattered like the products), codes = round_half_even(127 E / (s_k s_v)),
@@ -28,8 +29,9 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
                         (:func:`_flush_item`): beside its rebuild, P and Q, at the same barriers
 
 Every value of the state and every sum is fp32; the tensor cores only see operands exact in their input type (or
-the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums. Measured variants
-and what limits the kernel: bench/notes/triton.md (sessions 11-14).
+the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums, the rounding of
+1 / s_v (one ulp) and the dequantisation's 2^-9 of a code step. Measured variants and what limits the kernel:
+bench/notes/triton.md (sessions 11-15).
 """
 from __future__ import annotations
 
@@ -444,12 +446,61 @@ def _inv_pivot(d, g):
     return gl.rsqrt(gl.maximum(gl.maximum(d, _REL_FLOOR * g), _ABS_FLOOR))
 
 
+#: the ten sums over a warp's 32 lanes of a Gram matrix's partials (one per lane), every lane getting all ten: a
+#: reduce-scatter - at each butterfly level a lane keeps half of its sums and sends the other half (10 -> 5 -> 3 ->
+#: 2 -> 1 values; the lane's bits 4..1 choose which) - then each sum read from a lane that holds it (index
+#: b1 ? 2 + 5 b4 : b2 + 3 b3 + 5 b4): 23 shuffles and 12 adds where a butterfly per sum takes 50 of each (-2.3 % GDN
+#: batch 256 on the H200, KDA equal; a CPU test runs the asm text through an emulator of its instructions)
+_GRAM_ASM = gl.constexpr(
+    "{ .reg .pred b4, b3, b2, b1; .reg .b32 lane, t; .reg .f32 s, k, r, w0, w1, w2, w3, w4, x0, x1, x2, y0, z; "
+    "mov.u32 lane, %laneid; and.b32 t, lane, 16; setp.ne.u32 b4, t, 0; and.b32 t, lane, 8; setp.ne.u32 b3, t, 0; "
+    "and.b32 t, lane, 4; setp.ne.u32 b2, t, 0; and.b32 t, lane, 2; setp.ne.u32 b1, t, 0; "
+    "selp.f32 s, $10, $15, b4; selp.f32 k, $15, $10, b4; shfl.sync.bfly.b32 r, s, 16, 0x1f, -1; add.f32 w0, k, r; "
+    "selp.f32 s, $11, $16, b4; selp.f32 k, $16, $11, b4; shfl.sync.bfly.b32 r, s, 16, 0x1f, -1; add.f32 w1, k, r; "
+    "selp.f32 s, $12, $17, b4; selp.f32 k, $17, $12, b4; shfl.sync.bfly.b32 r, s, 16, 0x1f, -1; add.f32 w2, k, r; "
+    "selp.f32 s, $13, $18, b4; selp.f32 k, $18, $13, b4; shfl.sync.bfly.b32 r, s, 16, 0x1f, -1; add.f32 w3, k, r; "
+    "selp.f32 s, $14, $19, b4; selp.f32 k, $19, $14, b4; shfl.sync.bfly.b32 r, s, 16, 0x1f, -1; add.f32 w4, k, r; "
+    "selp.f32 s, w0, w3, b3; selp.f32 k, w3, w0, b3; shfl.sync.bfly.b32 r, s, 8, 0x1f, -1; add.f32 x0, k, r; "
+    "selp.f32 s, w1, w4, b3; selp.f32 k, w4, w1, b3; shfl.sync.bfly.b32 r, s, 8, 0x1f, -1; add.f32 x1, k, r; "
+    "shfl.sync.bfly.b32 r, w2, 8, 0x1f, -1; add.f32 x2, w2, r; "
+    "selp.f32 s, x0, x1, b2; selp.f32 k, x1, x0, b2; shfl.sync.bfly.b32 r, s, 4, 0x1f, -1; add.f32 y0, k, r; "
+    "shfl.sync.bfly.b32 r, x2, 4, 0x1f, -1; add.f32 x2, x2, r; "
+    "selp.f32 s, y0, x2, b1; selp.f32 k, x2, y0, b1; shfl.sync.bfly.b32 r, s, 2, 0x1f, -1; add.f32 z, k, r; "
+    "shfl.sync.bfly.b32 r, z, 1, 0x1f, -1; add.f32 z, z, r; "
+    "shfl.sync.idx.b32 $0, z, 0, 0x1f, -1; "
+    "shfl.sync.idx.b32 $1, z, 4, 0x1f, -1; "
+    "shfl.sync.idx.b32 $2, z, 2, 0x1f, -1; "
+    "shfl.sync.idx.b32 $3, z, 8, 0x1f, -1; "
+    "shfl.sync.idx.b32 $4, z, 12, 0x1f, -1; "
+    "shfl.sync.idx.b32 $5, z, 16, 0x1f, -1; "
+    "shfl.sync.idx.b32 $6, z, 20, 0x1f, -1; "
+    "shfl.sync.idx.b32 $7, z, 18, 0x1f, -1; "
+    "shfl.sync.idx.b32 $8, z, 24, 0x1f, -1; "
+    "shfl.sync.idx.b32 $9, z, 28, 0x1f, -1; }")
+
+
+@gluon.jit
+def _gram(x0, x1, x2, x3):
+    """G = X^T X (ten entries, lower triangle by rows) of four VEC vectors: each lane's own 4 rows summed in the
+    thread, then :data:`_GRAM_ASM` over the lanes (every warp holds the vectors whole: no barrier). The entries come
+    as [32] tensors (a lane's one element each, all lanes equal) in the layout of the vectors' [32, 4] view."""
+    x0 = gl.reshape(x0, [32, 4])
+    x1 = gl.reshape(x1, [32, 4])
+    x2 = gl.reshape(x2, [32, 4])
+    x3 = gl.reshape(x3, [32, 4])
+    return gl.inline_asm_elementwise(
+        _GRAM_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f,f,f",
+        [gl.sum(x0 * x0, 1), gl.sum(x1 * x0, 1), gl.sum(x1 * x1, 1), gl.sum(x2 * x0, 1), gl.sum(x2 * x1, 1),
+         gl.sum(x2 * x2, 1), gl.sum(x3 * x0, 1), gl.sum(x3 * x1, 1), gl.sum(x3 * x2, 1), gl.sum(x3 * x3, 1)],
+        dtype=(gl.float32,) * 10, is_pure=True, pack=1)
+
+
 @gluon.jit
 def _cholqr(x0, x1, x2, x3):
-    """One CholeskyQR pass over four VEC vectors: G = X^T X in one 10-operand warp-local reduction, its Cholesky
-    factor on scalars (floored pivots), X L^-T by forward substitution. A zero column comes out zero."""
-    g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = gl.reduce(
-        (x0 * x0, x1 * x0, x1 * x1, x2 * x0, x2 * x1, x2 * x2, x3 * x0, x3 * x1, x3 * x2, x3 * x3), 0, _add10)
+    """One CholeskyQR pass over four VEC vectors: G = X^T X (:func:`_gram`, warp-local), its Cholesky factor
+    (floored pivots; the same arithmetic in every lane), X L^-T by forward substitution. A zero column comes out
+    zero."""
+    g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _gram(x0, x1, x2, x3)
     i00 = _inv_pivot(g00, g00)                    # i_jj = 1 / L_jj; L_ji = (G_ji - sum_{m<i} L_jm L_im) / L_ii
     l10 = g10 * i00
     l20 = g20 * i00
@@ -460,11 +511,18 @@ def _cholqr(x0, x1, x2, x3):
     i22 = _inv_pivot(g22 - l20 * l20 - l21 * l21, g22)
     l32 = (g32 - l30 * l20 - l31 * l21) * i22
     i33 = _inv_pivot(g33 - l30 * l30 - l31 * l31 - l32 * l32, g33)
-    y0 = x0 * i00
-    y1 = (x1 - l10 * y0) * i11
-    y2 = (x2 - l20 * y0 - l21 * y1) * i22
-    y3 = (x3 - l30 * y0 - l31 * y1 - l32 * y2) * i33
-    return y0, y1, y2, y3
+    x0 = gl.reshape(x0, [32, 4])
+    x1 = gl.reshape(x1, [32, 4])
+    x2 = gl.reshape(x2, [32, 4])
+    x3 = gl.reshape(x3, [32, 4])
+    y0 = x0 * i00[:, None]
+    y1 = (x1 - l10[:, None] * y0) * i11[:, None]
+    y2 = (x2 - l20[:, None] * y0 - l21[:, None] * y1) * i22[:, None]
+    y3 = (x3 - l30[:, None] * y0 - l31[:, None] * y1 - l32[:, None] * y2) * i33[:, None]
+    return (gl.convert_layout(gl.reshape(y0, [_V]), VEC, assert_trivial=True),
+            gl.convert_layout(gl.reshape(y1, [_V]), VEC, assert_trivial=True),
+            gl.convert_layout(gl.reshape(y2, [_V]), VEC, assert_trivial=True),
+            gl.convert_layout(gl.reshape(y3, [_V]), VEC, assert_trivial=True))
 
 
 @gluon.jit
@@ -524,9 +582,12 @@ def _column_scales(E, colsum, row1_xs, s_k_ptr, valid):
 @gluon.jit
 def _code_bytes(x, rowmax):
     """From max_k |x| per row (ROWS): s_v = max(max_k |x|, eps) and the codes round_half_even(127 x / s_v) (|x| <= s_v:
-    inside [-127, 127] without a clamp) as bytes [V, K] (STATE)."""
+    inside [-127, 127] without a clamp, 1 / s_v's rounding included) as bytes [V, K] (STATE)."""
     s_v = gl.maximum(rowmax, _EPS)
-    y = x * (_QMAX / s_v)[:, None]
+    # 1 / s_v to one ulp in two instructions (s_v >= eps is a normal number); fp32 division took ~9 each
+    inv = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s_v], dtype=gl.float32, is_pure=True,
+                                    pack=1)
+    y = x * (_QMAX * inv)[:, None]
     return s_v, ((y + _RINT_MAGIC).to(gl.int32, bitcast=True) & _BYTE).to(gl.uint8)
 
 
