@@ -740,23 +740,37 @@ def flush_phases(cfg: FlushConfig) -> Phases:
     @T.macro
     def gram_partials(x4, gram_s, g, t, lane, ps):
         """CholeskyQR pass ``ps``, first half (threads t < V, whose row t of the 128 x R matrix X is x4; K == V):
-        this warp's part of the Gram matrix G = X^T X in fp32 (each thread its row's products, a butterfly over the
-        warp) to gram_s. The caller synchronises the group before cholesky_apply reads it."""
-        gr = T.alloc_local((GRAM_SLOT,), F32)
+        this warp's part of the Gram matrix G = X^T X in fp32 (each thread its row's products) to gram_s, summed over
+        the warp by a reduce-scatter: at each lane bit, from bit 4 down, a lane keeps half of its sums and adds the
+        partner's (10 -> 5 -> 3 -> 2 -> 1 sums), so that entry b1 ? 2 + 5 b4 : b2 + 3 b3 + 5 b4 ends in the lanes of
+        those bits and one of them writes it (12 shuffles where a butterfly per entry takes 50). The caller
+        synchronises the group before cholesky_apply reads it."""
+        gr = T.alloc_local((GRAM_ENTRIES,), F32)
+        sums = T.alloc_local((GRAM_ENTRIES // 2,), F32)
         warp = t // WARP
-        for e in T.unroll(GRAM_SLOT):
-            gr[e] = 0.0
         for j in T.unroll(R):
             for i in T.unroll(R):
                 if i <= j:
                     gr[tri(j, i)] = x4[j] * x4[i]
-        for s in T.unroll(WARP_LEVELS):
-            for e in T.unroll(GRAM_ENTRIES):
-                gr[e] = gr[e] + T.shfl_xor(gr[e], (WARP // 2) >> s)
-        if lane == 0:
-            for c in T.unroll(GRAM_SLOT // VEC4):
-                for e in T.vectorized(VEC4):
-                    gram_s[g, ps, warp, c * VEC4 + e] = gr[c * VEC4 + e]
+        b4 = (lane >> 4) & 1
+        b3 = (lane >> 3) & 1
+        b2 = (lane >> 2) & 1
+        b1 = (lane >> 1) & 1
+        for k in T.unroll(GRAM_ENTRIES // 2):      # bit 4: entries k and k + 5
+            sums[k] = (T.if_then_else(b4 == 1, gr[k + 5], gr[k])
+                       + T.shfl_xor(T.if_then_else(b4 == 1, gr[k], gr[k + 5]), 16))
+        for k in T.unroll(2):                       # bit 3: sums 0 and 3, 1 and 4; sum 2 whole
+            sums[k] = (T.if_then_else(b3 == 1, sums[k + 3], sums[k])
+                       + T.shfl_xor(T.if_then_else(b3 == 1, sums[k], sums[k + 3]), 8))
+        sums[2] = sums[2] + T.shfl_xor(sums[2], 8)
+        sums[0] = (T.if_then_else(b2 == 1, sums[1], sums[0])         # bit 2: sums 0 and 1; sum 2 whole
+                   + T.shfl_xor(T.if_then_else(b2 == 1, sums[0], sums[1]), 4))
+        sums[2] = sums[2] + T.shfl_xor(sums[2], 4)
+        sums[0] = (T.if_then_else(b1 == 1, sums[2], sums[0])         # bit 1: sums 0 and 2
+                   + T.shfl_xor(T.if_then_else(b1 == 1, sums[0], sums[2]), 2))
+        sums[0] = sums[0] + T.shfl_xor(sums[0], 1)
+        if ((lane & 1) == 0) & ((b1 == 0) | ((lane & 12) == 0)):
+            gram_s[g, ps, warp, T.if_then_else(b1 == 1, 2 + 5 * b4, b2 + 3 * b3 + 5 * b4)] = sums[0]
 
     @T.macro
     def cholesky_apply(x4, gram_s, g, ps):
