@@ -11,9 +11,9 @@ import torch
 
 from .layout import Pool
 
-#: source: bench/results/h200_2449b54_all-backends.md (one run, KDA and GDN): TileLang all due 26.9 / 87.0 / 314.7 /
-#: 618.7 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 33.3 / 106.1 / 395.3 / 788.1 us
-#: (1.22-1.30x, both gates), and 1.24-1.37x faster at 1/16 due; with nothing due Triton's call is 0.2-0.4 us cheaper up
+#: source: bench/results/h200_82c9c59_all-backends.md (one run, KDA and GDN): TileLang all due 26.7 / 86.1 / 311.6 /
+#: 612.8 us at batch 16 / 64 / 256 / 512 against the Triton backend's (Gluon kernel) 33.2 / 105.9 / 393.5 / 785.9 us
+#: (1.23-1.30x, both gates), and 1.24-1.37x faster at 1/16 due; with nothing due Triton's call is 0.2-0.4 us cheaper up
 #: to batch 256 (2.4-2.8 against 2.8-3.0 us; 4.4 against 3.1 at 512), but the host cannot know the due set: TileLang is
 #: preferred from batch 1
 SM90_TILELANG_FASTER_FROM: int | None = 1
