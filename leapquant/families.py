@@ -6,6 +6,9 @@ Values come from torch under a seed, so a (batch, heads, gate, seed, families) t
 Families:
     window_rank1, window_rank2   empty checkpoint, one / two window entries
     zero                         all-zero state and window
+    scaled_zero                  codes and tokens zero under positive scales (a caller's checkpoint can be so), a window
+                                 with keys and values but w = 0: the state is exactly zero and must decode to zero
+    scaled_zero_window           the same checkpoint and one live window entry (the state is that rank-1 update)
     tiny, tiny_decayed, huge     states of ~1e-4 (low rank, mild gates), ~3e-5 (decayed, window-dominated), ~1e2
     rank1_noise                  a strong rank-1 part over a 1e-3 noise floor
     decayed                      checkpoint decayed to nothing (KDA pcum ~ -1e4, GDN p subnormal)
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from .layout import K, L, QMAX, R, V, Pool
 from .reference import compress, decode_checkpoint, default_q0, rebuild
 
-EDGE_FAMILIES = ("window_rank1", "window_rank2", "zero", "tiny", "tiny_decayed", "huge", "rank1_noise", "decayed", "never_decay",
+EDGE_FAMILIES = ("window_rank1", "window_rank2", "zero", "scaled_zero", "scaled_zero_window", "tiny", "tiny_decayed", "huge", "rank1_noise", "decayed", "never_decay",
                  "hot_row", "column_outliers", "pcum_below_1000")
 FAMILIES = EDGE_FAMILIES + ("random", "kda_sim", "second_window")
 
@@ -105,6 +108,17 @@ def _family(name: str, n: int, gate: str, g: torch.Generator, q0: torch.Tensor):
     elif name == "zero":
         dense, win = torch.zeros(n, V, K), _empty_window(n, gate)
         win["w"] = torch.rand(n, L, generator=g)            # weights without keys or values: still zero
+    elif name in ("scaled_zero", "scaled_zero_window"):
+        # the codes and tokens are zero but the scales are not (as in the request's own benchmark input): a kernel's
+        # dequantisation must give exactly 0 for code 0, or the zero state decodes to noise
+        codes = torch.zeros(n, V, K, dtype=torch.int8)
+        s_k = 0.05 + 0.2 * torch.rand(n, K, generator=g)
+        s_v = 0.1 + 0.5 * torch.rand(n, V, generator=g)
+        u, q = torch.zeros(n, R, K, dtype=torch.float16), torch.zeros(n, R, V, dtype=torch.float16)
+        win["w"] = torch.zeros(n, L)
+        if name == "scaled_zero_window":
+            win["w"][:, 0] = 1.0            # the oldest entry: decayed by every later gate
+        return (codes, s_k, s_v, u, q), win
     elif name == "tiny":                 # mean |S| ~ 1e-4, low rank over a noise floor: fp16's subnormals start at 6e-5
         dense = _low_rank_noise(n, g, scale=1e-4)
         win = _window(n, gate, g, scale=1e-4)

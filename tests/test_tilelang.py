@@ -195,8 +195,8 @@ def test_gpu_every_family(gate, batch):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-@pytest.mark.parametrize("family", ["tiny", "pcum_below_1000", "zero", "huge", "window_rank1", "window_rank2",
-                                    "rank1_noise", "decayed"])
+@pytest.mark.parametrize("family", ["tiny", "pcum_below_1000", "zero", "scaled_zero", "scaled_zero_window", "huge",
+                                    "window_rank1", "window_rank2", "rank1_noise", "decayed"])
 def test_gpu_hard_families(gate, family):
     """The tiny head (~1e-4: an fp16 residual fails there by 1.4-2 %), pcum < -1000, rank-deficient heads."""
     _skip_unless_served(32, gate)
@@ -204,7 +204,7 @@ def test_gpu_hard_families(gate, family):
     out = case.run(backend="tilelang")
     v = case.judge(out, "tilelang")
     assert v.passed, v.message
-    if family == "zero":
+    if family in ("zero", "scaled_zero"):
         assert float(reference.decode_checkpoint(*out).abs().max()) == 0.0
 
 

@@ -30,7 +30,7 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
 
 Every value of the state and every sum is fp32; the tensor cores only see operands exact in their input type (or
 the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums, the rounding of
-1 / s_v (one ulp) and the dequantisation's 2^-9 of a code step. Measured variants and what limits the kernel:
+1 / s_v (one ulp) and of 2^15 s_k / 127 (one ulp: _CODE_SCALE). Measured variants and what limits the kernel:
 bench/notes/triton.md (sessions 11-15).
 """
 from __future__ import annotations
@@ -73,12 +73,12 @@ _ABS_FLOOR = gl.constexpr(1e-36)
 #: 1.5 * 2^23: adding it rounds |y| < 2^22 to an integer, ties to even, left in the low mantissa bits (the low byte is
 #: the int8 code): no rounding or conversion instruction (the tl kernel's _RINT_MAGIC)
 _RINT_MAGIC = gl.constexpr(12582912.0)
-#: the dequantisation in two instructions per code: a code byte c with its sign bit flipped is u = c + 128, and one
-#: byte permute puts u into bits 8..15 of the float 1.0, which makes x = 1 + u 2^-15 (_CODE_BYTES_ASM, two codes per
-#: call: the xor flips both sign bits of the pair's 16-bit word); then c s_k / 127 = x A - B is one FMA with
-#: A = 2^15 s_k / 127 (exact: a power of two times the rounded s_k / 127) and B = (1 + 2^-8) A, rounded once: at most
-#: 2^-9 of a code step off (the integer route - sign extension, integer add, float subtract - took three; -1.8 % KDA
-#: batch 256 on the H200, bench/notes/triton.md session 15)
+#: the dequantisation, exact for every code: a code byte c with its sign bit flipped is u = c + 128, and one byte
+#: permute puts u into bits 8..15 of the float 1.0, which makes x = 1 + u 2^-15 (_CODE_BYTES_ASM, two codes per call:
+#: the xor flips both sign bits of the pair's 16-bit word); x - (1 + 2^-8) = c 2^-15 exactly (both in [1, 2)), and one
+#: multiplication by A = 2^15 s_k / 127 rounds c s_k / 127 once. Folding the subtraction into an FMA with the rounded
+#: B = (1 + 2^-8) A saves the FADD but leaves code 0 at B's rounding error instead of 0: an all-zero state (zero codes,
+#: positive scales: a caller's checkpoint can be so) then decodes to ~1e-8 noise, which the criterion rejects
 _CODE_SCALE = gl.constexpr(32768.0 / 127.0)
 _CODE_SHIFT = gl.constexpr(1.0 + 2.0 ** -8)
 _CODE_BYTES_ASM = gl.constexpr(
@@ -342,7 +342,7 @@ def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     s_v = sc_s.slice(_K, _V).load(ROWS)
     x = gl.inline_asm_elementwise(_CODE_BYTES_ASM, "=r,=r,r", [codes_s.load(STATE)], dtype=gl.float32, is_pure=True,
                                   pack=2)
-    S = gl.fma(x, a[None, :], -(a * _CODE_SHIFT)[None, :]) * s_v[:, None]        # codes s_k / 127 s_v
+    S = (x - _CODE_SHIFT) * a[None, :] * s_v[:, None]                           # codes s_k / 127 s_v
     qT, u = _token_operands(tok_s)
     S = mma_v2(qT, u, S)                        # fp16 x fp16 products are exact in the fp32 accumulator
     if IS_KDA:
