@@ -20,18 +20,23 @@ dispatch.register(dispatch.Backend(
 
 
 @torch.compiler.disable
-def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: str | None = None) -> None:
+def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: str | None = None,
+                  check_idx: bool | None = None) -> None:
     """Flush every due program of the rows in ``idx``, in place.
 
-    pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (0 = skip the row). q0: fp32 [V, R], the
-    start of the subspace iteration, shared by all programs. A program (slot, head) is due when ``hcnt == L``; its
-    checkpoint is rewritten and its window reset (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt``
-    stays ``L``. Everything else in the pool stays bitwise untouched.
+    pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (``<= 0``: no sequence, the row is
+    skipped, as engines pad with -1 or 0). q0: fp32 [V, R], the start of the subspace iteration, shared by all
+    programs. A program (slot, head) is due when ``hcnt == L``; its checkpoint is rewritten and its window reset
+    (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt`` stays ``L``. Everything else in the pool stays
+    bitwise untouched.
 
     backend: ``None`` (LEAPQUANT_BACKEND / use_backend / auto), or one of ``auto, reference, triton, tilelang``.
+    check_idx: also check idx's values (every slot < num_slots, no slot twice): a host synchronisation, so off by
+    default (``None``: the ``LEAPQUANT_CHECK_IDX`` environment switch); unchecked, slots >= num_slots are skipped.
+    The call never synchronises with the host otherwise (the reference backend does: it is the slow fallback).
     Raises ValueError on bad arguments (before any launch) and BackendUnavailable (a ValueError) when a forced
     backend cannot serve."""
-    check_flush_args(pool, idx, q0)
+    check_flush_args(pool, idx, q0, check_idx)
     dispatch.select(pool, idx.numel(), backend).flush(pool, idx, q0)
 
 

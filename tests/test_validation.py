@@ -32,15 +32,49 @@ IDX = torch.tensor([1, 2], dtype=torch.int32)
 @pytest.mark.parametrize("idx, match", [
     (torch.tensor([1, 2], dtype=torch.int64), "idx: expected dtype torch.int32"),
     (torch.tensor([[1, 2]], dtype=torch.int32), "idx: expected a 1-D tensor"),
-    (torch.tensor([1, 4], dtype=torch.int32), r"idx: slots must lie in \[0, 4\)"),
-    (torch.tensor([-1, 2], dtype=torch.int32), r"idx: slots must lie in \[0, 4\)"),
-    (torch.tensor([2, 0, 2], dtype=torch.int32), "idx: a slot appears more than once"),
     (torch.tensor([1, 0, 2, 0], dtype=torch.int32)[::2], "idx: expected a contiguous tensor"),
     (torch.tensor([1, 2], dtype=torch.int32, device="meta"), "idx: expected device cpu"),
     ([1, 2], "idx: expected a torch.Tensor"),
 ])
 def test_bad_idx(pool, idx, match):
     _expect_rejected(pool, idx, lq.default_q0(), match)
+
+
+@pytest.mark.parametrize("idx, match", [
+    (torch.tensor([1, 4], dtype=torch.int32), r"idx: slots must be < num_slots = 4"),
+    (torch.tensor([2, 0, 2], dtype=torch.int32), "idx: a slot appears more than once"),
+    (torch.tensor([-1, 3, -1, 3], dtype=torch.int32), "idx: a slot appears more than once"),
+])
+def test_bad_idx_values_when_checked(pool, idx, match, monkeypatch):
+    """The host-synchronising value checks run with check_idx=True, or with LEAPQUANT_CHECK_IDX set."""
+    _expect_rejected(pool, idx, lq.default_q0(), match, check_idx=True)
+    from leapquant import validate
+    monkeypatch.setattr(validate, "CHECK_IDX", True)
+    _expect_rejected(pool, idx, lq.default_q0(), match)
+    _expect_rejected(pool, idx, lq.default_q0(), match, check_idx=True)
+
+
+def test_idx_values_unchecked_by_default(pool, monkeypatch):
+    """Without the debug switch the call reads no idx value on the host: rows whose slot is <= 0 (vLLM pads with -1,
+    SGLang with 0) or >= num_slots are skipped by the backend; only the valid rows' due programs change."""
+    from leapquant import validate
+
+    def host_read(*a, **k):
+        raise AssertionError("idx values were read on the host without check_idx")
+    monkeypatch.setattr(validate, "check_idx_values", host_read)
+    before = snapshot(pool)
+    lq.flush_inplace(pool, torch.tensor([-1, 2, 0, 7, -5], dtype=torch.int32), lq.default_q0())
+    after = snapshot(pool)
+    changed = (before["raw"] != after["raw"]).nonzero().flatten() // 4            # fp32 words
+    slots = torch.unique((changed - lq.OFF) // pool.slot_stride)
+    assert slots.tolist() == [2], f"slots written: {slots.tolist()}"
+    assert torch.equal(before["hcnt"], after["hcnt"])
+
+
+def test_negative_idx_is_no_sequence_when_checked(pool):
+    """idx <= 0 is "no sequence" for the value checks too: -1 padding passes them."""
+    lq.flush_inplace(pool, torch.tensor([-1, 1, -1, 0], dtype=torch.int32), lq.default_q0(), check_idx=True)
+    assert bool((pool.w[1] == 0).all()) and not bool((pool.w[2] == 0).all())
 
 
 @pytest.mark.parametrize("q0, match", [
@@ -58,7 +92,12 @@ def test_bad_q0(pool, q0, match):
     ("ubuf", lambda t: t[:, :2], r"pool.ubuf: expected shape"),
     ("hcnt", lambda t: t.long(), "pool.hcnt: expected dtype torch.int32"),
 ])
-def test_swapped_pool_buffers(pool, field, bad, match):
+@pytest.mark.parametrize("checked_before", [False, True])
+def test_swapped_pool_buffers(pool, field, bad, match, checked_before):
+    """A buffer replaced by the caller is re-checked, also after the pool passed its checks once (they are cached per
+    set of buffers)."""
+    if checked_before:
+        lq.flush_inplace(pool, IDX, lq.default_q0())
     setattr(pool, field, bad(getattr(pool, field)))
     with pytest.raises(ValueError, match=match):
         lq.flush_inplace(pool, IDX, lq.default_q0())
