@@ -383,17 +383,27 @@ KERNELS = ("mma", "tl")
 MMA_MAX_REGISTERS = 0
 
 
+#: Triton releases the Gluon kernel is validated on (compiled, judged by the criterion and timed on the H200).
+#: Gluon is Triton's experimental dialect and changes between releases, so elsewhere the backend serves with the
+#: portable tl kernel and says why (``leapquant info``)
+GLUON_VALIDATED_TRITON = ("3.6",)
+
+
 def mma_reasons(device: torch.device) -> list[str]:
     """Why the Gluon kernel cannot serve ``device`` (empty: it can)."""
     if INTERPRETED or device.type != "cuda":
         return ["the Gluon kernel runs on CUDA GPUs only (not under TRITON_INTERPRET=1)"]
     why = []
+    if not triton.__version__.startswith(GLUON_VALIDATED_TRITON):
+        why.append(f"the Gluon kernel is validated on triton {', '.join(v + '.x' for v in GLUON_VALIDATED_TRITON)}, "
+                   f"this is {triton.__version__} (the tl kernel serves instead)")
     if torch.cuda.get_device_capability(device) < (8, 0):
         why.append(f"compute capability {torch.cuda.get_device_capability(device)} < (8, 0): no mma.sync")
-    try:
-        from . import mma  # noqa: F401
-    except Exception as exc:  # an older Triton without Gluon
-        why.append(f"triton {triton.__version__} has no usable Gluon: {type(exc).__name__}: {exc}")
+    if not why:
+        try:
+            from . import mma  # noqa: F401
+        except Exception as exc:  # a Triton without a usable Gluon
+            why.append(f"triton {triton.__version__} has no usable Gluon: {type(exc).__name__}: {exc}")
     return why
 
 
@@ -410,16 +420,25 @@ def kernel_for(device: torch.device) -> str:
     return "tl" if why else "mma"
 
 
+#: Triton releases the bound launch (:func:`_bind`) was validated on: it calls the compiled kernel's own launcher
+#: (``CompiledKernel[grid](*every kernel parameter)``), skipping the JIT's per-call argument binding and
+#: specialisation. Elsewhere every call goes through the JIT's launch (correct; tens of microseconds dearer per call)
+BOUND_LAUNCH_TRITON = ("3.6",)
+
+
 @dataclass
 class _Workspace:
-    """Per-pool workspace, allocated once outside the call: the due list, typed views of raw, and the persistent
-    grid size."""
+    """Per-pool workspace, allocated once outside the call: the due list, typed views of raw, the persistent grid
+    size and the launch bound to the pool's buffers."""
     rows: int                      # largest len(idx) served without growing
     due: torch.Tensor              # int32 [rows * H]: the call's due programs by rank
     raw_u8: torch.Tensor
     raw_f16: torch.Tensor
     kernel: str = "tl"             # "mma" or "tl" (kernel_for)
-    programs: int = 0              # persistent programs resident at once (0: not measured yet)
+    programs: int = 0              # persistent programs resident at once (0: not bound yet)
+    buffers: tuple = ()            # the pool tensors the launch is bound to (re-bound when the caller swaps one)
+    launch: object = None          # launch(*kernel parameters): the compiled kernel's launcher, or the JIT's
+    constants: tuple = ()          # the compile-time parameters, in the kernel's order, after the run-time ones
 
 
 _WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
@@ -443,12 +462,17 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
     return ws
 
 
-def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
-    """Positional arguments of _flush_due for a call with ``idx``."""
+def _pool_buffers(pool: Pool) -> tuple:
+    """The pool tensors a launch reads, in the kernel's order (GDN passes p twice: gbuf is a placeholder there)."""
     kda = pool.gate == "kda"
-    gate = pool.pcum if kda else pool.p
-    gbuf = pool.gbuf if kda else pool.p          # GDN: a placeholder the kernel never reads
-    return (pool.raw, ws.raw_u8, ws.raw_f16, pool.kbuf, pool.ubuf, pool.w, gate, gbuf, q0, idx, pool.hcnt, ws.due,
+    return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum if kda else pool.p, pool.gbuf if kda else pool.p,
+            pool.hcnt)
+
+
+def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
+    """Run-time arguments of the kernel (_flush_due or mma.flush_due, same order) for a call with ``idx``."""
+    raw, kbuf, ubuf, w, gate, gbuf, hcnt = ws.buffers
+    return (raw, ws.raw_u8, ws.raw_f16, kbuf, ubuf, w, gate, gbuf, q0, idx, hcnt, ws.due,
             idx.numel(), pool.num_slots, slot_stride(pool.num_heads))
 
 
@@ -477,15 +501,14 @@ def _flush_meta(pool: Pool, kernel: str, programs: int) -> dict:
 
 
 def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> int:
-    """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads). The
-    kernel is compiled here for one program per SM, then for the grid it gets (so the launch finds it compiled)."""
+    """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads), from
+    the kernel compiled for one program per SM."""
     if INTERPRETED or pool.device.type != "cuda":
         return INTERPRETER_PROGRAMS
     props = torch.cuda.get_device_properties(pool.device)
-    fn = _kernel_fn(ws.kernel)
     sms = props.multi_processor_count
     meta = _flush_meta(pool, ws.kernel, sms)
-    kern = fn.warmup(*_flush_args(pool, ws, q0, idx), grid=(sms,), **meta)
+    kern = _kernel_fn(ws.kernel).warmup(*_flush_args(pool, ws, q0, idx), grid=(sms,), **meta)
     try:
         kern._init_handles()                   # loads the module and fills n_regs (Triton 3.x)
         threads = 32 * meta["num_warps"]
@@ -496,30 +519,62 @@ def _resident_programs(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.
         per_sm = max(1, min(by_regs, by_smem, by_threads))
     except Exception:                          # an API change: one program per SM is always resident
         per_sm = 1
-    programs = per_sm * sms
-    fn.warmup(*_flush_args(pool, ws, q0, idx), grid=(programs,), **_flush_meta(pool, ws.kernel, programs))
-    return programs
+    return per_sm * sms
+
+
+def _bound_launch_supported() -> bool:
+    return not INTERPRETED and triton.__version__.startswith(BOUND_LAUNCH_TRITON)
+
+
+def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> None:
+    """Choose the kernel and grid, compile it for the pool's buffers and bind its launch (outside graph capture).
+
+    The JIT specialises a kernel on its pointers' 16-byte alignment (not q0's and idx's, which change per call) and
+    on the values of nothing else it is given at run time (N, num_slots and SS are not specialised), so one compiled
+    kernel serves every call on these buffers: it is launched directly through its own launcher."""
+    if _capturing(pool):
+        raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first "
+                           "(the kernel is compiled and bound to the pool's buffers there)")
+    ws.buffers = _pool_buffers(pool)
+    ws.kernel = kernel_for(pool.device)
+    ws.programs = _resident_programs(pool, ws, q0, idx)
+    fn = _kernel_fn(ws.kernel)
+    meta = _flush_meta(pool, ws.kernel, ws.programs)
+    grid = (ws.programs,)
+    if _bound_launch_supported():
+        compiled = fn.warmup(*_flush_args(pool, ws, q0, idx), grid=grid, **meta)
+        ws.constants = tuple(meta[name] for name in fn.arg_names[len(_flush_args(pool, ws, q0, idx)):])
+        ws.launch = compiled[grid]
+    else:
+        options = {k: v for k, v in meta.items() if k not in fn.arg_names}
+        consts = {k: v for k, v in meta.items() if k in fn.arg_names}
+        ws.constants = ()
+
+        def launch(*args):
+            fn[grid](*args, **consts, **options)
+        ws.launch = launch
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
 
-    pool: :class:`~leapquant.layout.Pool`; idx int32 [N] slot per row (0 or out of range: skip); q0 fp32 [V, R].
+    pool: :class:`~leapquant.layout.Pool`; idx int32 [N] slot per row (<= 0 or >= num_slots: skip); q0 fp32 [V, R].
     One launch of a fixed grid; no host synchronisation, no allocation once the pool's workspace exists."""
     if idx.numel() == 0:
         return
     ws = _workspace(pool, idx.numel())
-    if ws.programs == 0:
-        if _capturing(pool):
-            raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first")
-        ws.kernel = kernel_for(pool.device)
-        ws.programs = _resident_programs(pool, ws, q0, idx)
-    _kernel_fn(ws.kernel)[(ws.programs,)](*_flush_args(pool, ws, q0, idx), **_flush_meta(pool, ws.kernel, ws.programs))
+    if ws.launch is None or not _same(ws.buffers, _pool_buffers(pool)):
+        _bind(pool, ws, q0, idx)
+    ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
 
 
 def warmup(pool: Pool) -> None:
-    """Make the workspace and compile / load the kernel for ``pool`` (outside any graph capture) by flushing an
-    all-skip row: nothing in the pool changes."""
+    """Make the workspace, compile / load the kernel for ``pool`` and bind its launch (outside any graph capture) by
+    flushing an all-skip row: nothing in the pool changes."""
     from ..reference import default_q0
     idx = torch.zeros(1, dtype=torch.int32, device=pool.device)
     flush(pool, idx, default_q0(pool.device))
