@@ -77,11 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--rotate", type=int, default=8,
                         help="disjoint slot sets flushed in rotation, so no call finds its data in L2 (default 8, "
                              "the least allowed)")
-    parser.add_argument("--timer", choices=("kernel", "graph", "eager"), default="kernel",
+    parser.add_argument("--timer", choices=("kernel", "graph", "eager", "wall"), default="kernel",
                         help="GPU: 'kernel' (default) = CUDA kernel time from torch.profiler: per call, first kernel "
                              "start to last kernel end, replaying a CUDA graph of the call; 'graph' = CUDA events "
                              "around the graph replay (includes the replay's launch overhead); 'eager' = CUDA events "
-                             "around the eager call (launches queued ahead)")
+                             "around the eager call (launches queued ahead); 'wall' = host wall-clock per eager call "
+                             "of leapquant.flush_inplace (validation, dispatch and launch included): runs of "
+                             "back-to-back calls, synchronised at the end of each run")
     parser.add_argument("--ref-max-batch", type=int, default=None, metavar="N",
                         help="run the reference backend only at batches <= N (it is slow)")
     parser.add_argument("--refcheck", action=argparse.BooleanOptionalAction, default=True,
@@ -507,6 +509,34 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
     return out, method
 
 
+def time_calls_wall(call: Callable[[int], None], nsets: int, repeats: int, device, max_seconds: float,
+                    run: int = 16) -> tuple[list[float], str]:
+    """Host wall-clock microseconds per eager call: each sample is one run of ``run`` back-to-back calls (rotating
+    over ``nsets`` slot sets) from an idle GPU to the device's synchronisation after the last, divided by ``run``. It is
+    what an engine that calls the flush eagerly (prefill, mixed batches) pays per call: the larger of the host's cost
+    (argument checks, dispatch, launch) and the GPU's."""
+    import torch
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    for s in range(nsets):
+        call(s)
+    sync()
+    out: list[float] = []
+    t_end = time.perf_counter() + max_seconds
+    r = 0
+    while r < repeats:
+        n = min(run, repeats - r)
+        t0 = time.perf_counter()
+        for i in range(n):
+            call((r + i) % nsets)
+        sync()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+        r += n
+        if len(out) >= 3 and time.perf_counter() > t_end:
+            break
+    return out, f"host wall-clock per eager call (runs of {run} back-to-back calls, synchronised after each run)"
+
+
 def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, device) -> tuple[list[float], str]:
     """Per-call CUDA kernel time in microseconds from torch.profiler: the call is captured once per slot set in a
     CUDA graph (eager when capture fails) and replayed ``repeats`` times in rotation, each replay preceded by a marker
@@ -586,6 +616,9 @@ def timer_floor(device, graph: bool | str) -> float:
     x = torch.zeros(1, device=dev)
     if dev.type == "cuda" and graph == "kernel":
         samples, _ = time_calls_kernel(lambda s: x.add_(1.0), 8, 64, dev)
+        return _percentile(samples, 50)
+    if graph == "wall":
+        samples, _ = time_calls_wall(lambda s: x.add_(1.0), 8, 64, dev, 2.0)
         return _percentile(samples, 50)
     samples, _ = time_calls(lambda s: x.add_(1.0), 8, 64 if dev.type == "cuda" else 16, dev, 2.0,
                             capture=(dev.type == "cuda" and graph in (True, "graph")))
@@ -873,10 +906,13 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                       "graph": "per call, CUDA events around the replay of a CUDA graph holding one flush_inplace "
                                "call (launches queued behind a sleep kernel; includes the replay's launch overhead)",
                       "eager": "per call, CUDA events around the eager call (launches queued behind a sleep kernel)",
+                      "wall": "host wall-clock per eager call of leapquant.flush_inplace (argument checks, dispatch "
+                              "and launch included): runs of 16 back-to-back calls, synchronised after each run",
                       }[args.timer] + " (the row's `timing` column in the CSV says which)" if on_gpu else
                      "wall-clock per call on the CPU (not kernel times)"),
         timing_short={"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay, events",
-                      "eager": "eager, events"}[args.timer] if on_gpu else "CPU wall-clock",
+                      "eager": "eager, events", "wall": "eager, host wall-clock"}[args.timer] if on_gpu else
+                     "CPU wall-clock",
         check_long=(f"SPEC section 3 criterion (leapquant.criterion.judge) on every family of leapquant.families: "
                     f"{args.check_rows} distinct rows x {args.heads} heads per gate (seed {args.seed}) tiled to the "
                     f"batch, run through the same pool and deployment call as the timing; `worst ratio` is the "
@@ -1031,6 +1067,9 @@ def run_rows(tgt: Target, pool, gate: str, batch: int, args, device, q0, rows: l
             nrep = args.repeats or (100 if device.type == "cuda" else 3)
             if device.type == "cuda" and tgt.name != "reference" and args.timer == "kernel":
                 samples, method = time_calls_kernel(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device)
+            elif args.timer == "wall":
+                samples, method = time_calls_wall(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device,
+                                                  args.max_seconds)
             else:
                 samples, method = time_calls(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device,
                                              args.max_seconds,
