@@ -540,7 +540,7 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
     ws.programs = _resident_programs(pool, ws, q0, idx)
     fn = _kernel_fn(ws.kernel)
     meta = _flush_meta(pool, ws.kernel, ws.programs)
-    grid = (ws.programs,)
+    grid = (ws.programs, 1, 1)            # (the compiled kernel's launcher reads all three dimensions)
     if _bound_launch_supported():
         compiled = fn.warmup(*_flush_args(pool, ws, q0, idx), grid=grid, **meta)
         ws.constants = tuple(meta[name] for name in fn.arg_names[len(_flush_args(pool, ws, q0, idx)):])
