@@ -15,7 +15,9 @@ The window tensors are separate and dense ([NS, H, ...]). Slot 0 is reserved ("n
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import operator
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -85,12 +87,132 @@ def _view(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], strides: 
     return out
 
 
+# ---- the bulk helpers' arguments ------------------------------------------------------------------------------------
+_SIZES = {"V": V, "K": K, "L": L, "R": R}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-(sequence, head) tensor the pool stores: its dims (names of the geometry constants), the dtype the
+    pool keeps it in, and the values the format admits (checked after conversion to ``dtype``).
+
+    An integer field must be given in exactly ``dtype``; a floating field in any floating dtype (it is converted, and
+    a value that does not survive the conversion, e.g. an fp32 token above the fp16 range, fails the value check).
+    Every floating value must be finite."""
+    dims: tuple[str, ...]
+    dtype: torch.dtype
+    lo: float | None = None      #: smallest admitted value
+    hi: float | None = None      #: largest admitted value
+    lo_open: bool = False        #: ``lo`` itself is excluded
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(_SIZES[d] for d in self.dims)
+
+    def domain(self) -> str:
+        """The admitted values, in words."""
+        finite = "" if not self.dtype.is_floating_point else "finite"
+        if self.lo is None and self.hi is None:
+            return finite
+        if self.hi is None:
+            bound = f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        elif self.lo is None:
+            bound = f"<= {self.hi:g}"
+        else:
+            bound = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+        return f"{finite} and {bound}" if finite else bound
+
+    def bad_mask(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise: this value of ``t`` (already in ``dtype``) is not admitted."""
+        parts = [~torch.isfinite(t)] if t.is_floating_point() else []
+        if self.lo is not None:
+            parts.append((t <= self.lo) if self.lo_open else (t < self.lo))
+        if self.hi is not None:
+            parts.append(t > self.hi)
+        if not parts:
+            return torch.zeros_like(t, dtype=torch.bool)
+        for extra in parts[1:]:
+            parts[0] |= extra
+        return parts[0]
+
+
+#: Every tensor a (sequence, head) owns in the pool, by the name the bulk helpers' arguments carry. Value ranges follow
+#: the SPEC's domain, widened where a decode step can legitimately leave it: gbuf and p may underflow to 0 (a step
+#: stores exp(g) rounded to fp16, and p shrinks by a factor per step), so they are checked in [0, 1], not (0, 1].
+FIELDS: dict[str, Field] = {
+    "codes": Field(("V", "K"), torch.int8, -QMAX, QMAX),
+    "s_k": Field(("K",), torch.float32, 0.0, lo_open=True),
+    "s_v": Field(("V",), torch.float32, 0.0, lo_open=True),
+    "u": Field(("R", "K"), torch.float16),
+    "q": Field(("R", "V"), torch.float16),
+    "kbuf": Field(("L", "K"), torch.bfloat16),
+    "ubuf": Field(("L", "V"), torch.bfloat16),
+    "w": Field(("L",), torch.float32, 0.0, 1.0),
+    "pcum": Field(("K",), torch.float32, hi=0.0),
+    "gbuf": Field(("L", "K"), torch.float16, 0.0, 1.0),
+    "p": Field((), torch.float32, 0.0, 1.0),
+    "hcnt": Field((), torch.int32, 0, L),
+}
+CHECKPOINT_FIELDS = ("codes", "s_k", "s_v", "u", "q")
+
+
+def stage(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]],
+          device: torch.device) -> list[torch.Tensor]:
+    """Check and convert arguments before anything is written; raise ``ValueError`` naming the first bad one.
+
+    ``items`` are ``(name, value, field, lead)`` with ``lead`` the leading dims as ``(symbol, size)`` pairs. Every
+    value's type, dtype and shape are checked first, then all are converted to ``field.dtype`` on ``device`` (a copy
+    where they differ) and their values checked with one host synchronisation for all of them. Returns the
+    converted tensors, in order."""
+    for name, t, f, lead in items:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.is_meta:
+            raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
+        if f.dtype.is_floating_point:
+            if not t.is_floating_point():
+                raise ValueError(f"{name}: expected a floating-point tensor (stored as {f.dtype}), got dtype {t.dtype}")
+        elif t.dtype != f.dtype:
+            raise ValueError(f"{name}: expected dtype {f.dtype}, got {t.dtype}")
+        shape = tuple(size for _, size in lead) + f.shape
+        if tuple(t.shape) != shape:
+            dims = ", ".join([sym for sym, _ in lead] + list(f.dims))
+            raise ValueError(f"{name}: expected shape ({dims}) = {shape}, got {tuple(t.shape)}")
+    staged = [t.detach().to(device, f.dtype) for _, t, f, _ in items]
+    if not staged:
+        return staged
+    flags = torch.stack([f.bad_mask(s).any() for s, (_, _, f, _) in zip(staged, items)]).tolist()
+    for s, (name, _, f, _), bad in zip(staged, items, flags):
+        if bad:
+            where = [tuple(i) for i in torch.nonzero(f.bad_mask(s))[:3].tolist()]
+            vals = [s[i].item() for i in where]             # the first few offenders, with their indices
+            raise ValueError(f"{name}: values must be {f.domain()}"
+                             f"{f' (after conversion to {f.dtype})' if f.dtype.is_floating_point else ''}; "
+                             f"got {', '.join(f'{v!r} at {i}' for v, i in zip(vals, where))}")
+    return staged
+
+
+def _slot_number(x: object, position: int) -> int:
+    """One element of a slot list as an int: ints and integer scalars (numpy, 0-dim tensors) pass; bools, floats
+    and anything else raise a ``ValueError`` naming ``slots``."""
+    if not isinstance(x, bool) and not (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        try:
+            return operator.index(x)
+        except TypeError:
+            pass
+    raise ValueError(f"slots: expected integer slot numbers, got {x!r} at position {position}")
+
+
 class Pool:
     """Caller-owned slot pool: the checkpoints in one flat fp32 buffer, the windows in dense tensors.
 
     ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything (windows empty: ``w = 0``,
     ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``). An engine that owns its buffers passes them by keyword
     (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy).
+
+    The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`encode`,
+    :meth:`decode`) check every argument against :data:`FIELDS` before writing anything: a bad one raises a
+    ``ValueError`` naming it and leaves the pool byte-identical.
 
     Attributes (NS = num_slots, H = num_heads):
         raw    fp32 [NS * (H + 1) * V * K + OFF]
@@ -179,59 +301,127 @@ class Pool:
                 f"device={self.device})")
 
     # ---- bulk helpers ----------------------------------------------------------------------------------------------
-    def _slots(self, slots: Iterable[int] | torch.Tensor) -> torch.Tensor:
-        s = torch.as_tensor(slots, dtype=torch.long).reshape(-1).to(self.device)
-        if s.numel() and (int(s.min()) < 1 or int(s.max()) >= self.num_slots):
-            raise ValueError(f"slots: expected values in [1, {self.num_slots}), got {s.tolist()}")
-        return s
+    # Each helper checks every argument (slots, then each tensor's type, dtype and shape, then its values) before it
+    # writes anything, so a bad call raises a ValueError naming the argument and leaves the pool byte-identical. The
+    # per-head shapes, storage dtypes and value ranges come from FIELDS. Tensors may live on any device and in any
+    # floating dtype where the pool stores floats: they are copied to the pool's device and dtype. These helpers read
+    # values on the host (they synchronise): they are for loading and inspecting a pool, not for a captured graph.
+
+    def _slots(self, slots: object, distinct: bool = True) -> torch.Tensor:
+        """``slots`` as a long tensor [n] on the pool's device. Accepts a list, tuple or range of ints, or a 1-D
+        integer tensor on any device; every slot must lie in [1, num_slots) (slot 0 is reserved). With
+        ``distinct`` (every write) each slot must appear once: each sequence owns one slot, and two rows written
+        to one slot would leave whichever the indexing happened to store last. Reads may repeat a slot (one row
+        per program, say); they get one copy per mention. An empty selection is allowed (n = 0)."""
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex():
+                raise ValueError(f"slots: expected integer slot numbers, got a tensor of dtype {slots.dtype}")
+            if slots.dim() != 1:
+                raise ValueError(f"slots: expected a 1-D tensor [n], got shape {tuple(slots.shape)}")
+            vals = slots.detach().to("cpu", torch.long).tolist()
+        elif isinstance(slots, (list, tuple, range)):
+            vals = [_slot_number(x, i) for i, x in enumerate(slots)]
+        else:
+            raise ValueError(f"slots: expected a list, tuple or range of ints or a 1-D integer tensor, "
+                             f"got {type(slots).__name__}")
+        outside = [x for x in vals if not 1 <= x < self.num_slots]
+        if outside:
+            raise ValueError(f"slots: expected values in [1, {self.num_slots}) (slot 0 is reserved), "
+                             f"got {outside[:8]}{' ...' if len(outside) > 8 else ''}")
+        seen: set[int] = set()
+        for x in vals if distinct else ():
+            if x in seen:
+                raise ValueError(f"slots: slot {x} appears more than once (each sequence owns one slot)")
+            seen.add(x)
+        return torch.tensor(vals, dtype=torch.long).to(self.device)
+
+    def _lead(self, s: torch.Tensor) -> tuple[tuple[str, int], ...]:
+        """Leading dims of a per-slot argument: (n, H)."""
+        return (("n", s.numel()), ("H", self.num_heads))
+
+    def _stage_checkpoint(self, s: torch.Tensor, codes: object, s_k: object, s_v: object, u: object, q: object
+                          ) -> list[torch.Tensor]:
+        lead = self._lead(s)
+        given = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q)
+        return stage([(n, given[n], FIELDS[n], lead) for n in CHECKPOINT_FIELDS], self.device)
+
+    def _put_checkpoint(self, s: torch.Tensor, codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor,
+                        u: torch.Tensor, q: torch.Tensor) -> None:
+        """Write already staged checkpoints (pool dtypes, pool device)."""
+        self.codes[s] = codes
+        self.s_k[s] = s_k
+        self.s_v[s] = s_v
+        self.tokens[s] = torch.cat([u, q], dim=-1)
 
     def write_checkpoint(self, slots, codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor,
                          u: torch.Tensor, q: torch.Tensor) -> None:
-        """Store checkpoints into ``slots`` ([n] ints). codes int8 [n, H, V, K]; s_k fp32 [n, H, K]; s_v fp32
-        [n, H, V]; u fp16 [n, H, R, K]; q fp16 [n, H, R, V]."""
+        """Store checkpoints into ``slots`` (n slots, see :meth:`_slots`). codes int8 [n, H, V, K] in [-127, 127];
+        s_k [n, H, K] and s_v [n, H, V] finite and > 0 (stored fp32); u [n, H, R, K] and q [n, H, R, V] finite
+        after rounding to fp16. Any floating dtype and any device are accepted for the floating arguments."""
         s = self._slots(slots)
-        self.codes[s] = codes.to(self.device, torch.int8)
-        self.s_k[s] = s_k.to(self.device, torch.float32)
-        self.s_v[s] = s_v.to(self.device, torch.float32)
-        self.tokens[s] = torch.cat([u, q], dim=-1).to(self.device, torch.float16)
+        self._put_checkpoint(s, *self._stage_checkpoint(s, codes, s_k, s_v, u, q))
 
     def read_checkpoint(self, slots) -> tuple[torch.Tensor, ...]:
         """Fresh copies ``(codes, s_k, s_v, u, q)`` of the checkpoints in ``slots``, shapes as in
-        :meth:`write_checkpoint`."""
-        s = self._slots(slots)
+        :meth:`write_checkpoint`, on the pool's device. A slot may be named more than once."""
+        return self._read(self._slots(slots, distinct=False))
+
+    def _read(self, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tok = self.tokens[s]
         return self.codes[s], self.s_k[s], self.s_v[s], tok[..., :K].contiguous(), tok[..., K:].contiguous()
 
     def write_window(self, slots, kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor,
                      gate: torch.Tensor, gbuf: torch.Tensor | None = None, fill: int = L) -> None:
-        """Store full windows into ``slots``: kbuf [n, H, L, K], ubuf [n, H, L, V], w [n, H, L]; KDA: ``gate`` is
-        pcum [n, H, K] and ``gbuf`` [n, H, L, K]; GDN: ``gate`` is p [n, H]. ``hcnt`` is set to ``fill``."""
+        """Store windows into ``slots`` (n slots): kbuf [n, H, L, K], ubuf [n, H, L, V] (finite), w [n, H, L] in
+        [0, 1]; KDA: ``gate`` is pcum [n, H, K] (finite, <= 0) and ``gbuf`` [n, H, L, K] in [0, 1] is required;
+        GDN: ``gate`` is p [n, H] in [0, 1] and ``gbuf`` must be None. Shapes must match exactly (nothing is
+        broadcast); any floating dtype and any device are accepted and converted. ``hcnt`` of the slots is set to
+        ``fill``, an int in [0, L] (``L``: due at the next flush, or "flushed, empty" for the decode step)."""
         s = self._slots(slots)
-        self.kbuf[s] = kbuf.to(self.device, torch.bfloat16)
-        self.ubuf[s] = ubuf.to(self.device, torch.bfloat16)
-        self.w[s] = w.to(self.device, torch.float32)
+        lead = self._lead(s)
         if self.gate == "kda":
             if gbuf is None:
-                raise ValueError("gbuf: required for a KDA pool")
-            self.pcum[s] = gate.to(self.device, torch.float32)
-            self.gbuf[s] = gbuf.to(self.device, torch.float16)
+                raise ValueError("gbuf: required for a KDA pool (decay factors [n, H, L, K]), got None")
+            gate_name, extra = "gate (pcum)", [("gbuf", gbuf, FIELDS["gbuf"], lead)]
         else:
-            self.p[s] = gate.to(self.device, torch.float32)
+            if gbuf is not None:
+                raise ValueError(f"gbuf: a GDN pool has none (its gate p is passed as `gate`); expected None, "
+                                 f"got {type(gbuf).__name__}")
+            gate_name, extra = "gate (p)", []
+        hc = FIELDS["hcnt"]
+        if isinstance(fill, bool) or not isinstance(fill, int) or not hc.lo <= fill <= hc.hi:
+            raise ValueError(f"fill: expected an int in [{hc.lo}, {hc.hi}] (the window's fill count; {L} = due), "
+                             f"got {fill!r}")
+        gate_field = FIELDS["pcum" if self.gate == "kda" else "p"]
+        staged = stage([("kbuf", kbuf, FIELDS["kbuf"], lead), ("ubuf", ubuf, FIELDS["ubuf"], lead),
+                        ("w", w, FIELDS["w"], lead), (gate_name, gate, gate_field, lead), *extra], self.device)
+        self.kbuf[s], self.ubuf[s], self.w[s] = staged[:3]
+        if self.gate == "kda":
+            self.pcum[s], self.gbuf[s] = staged[3:]
+        else:
+            self.p[s] = staged[3]
         self.hcnt[s] = fill
 
     def encode(self, slots, states: torch.Tensor, q0: torch.Tensor | None = None) -> None:
-        """Compress dense fp32 states [n, H, V, K] into the checkpoints of ``slots`` (how a prefill state enters
-        the pool); their windows are left as they are."""
+        """Compress dense states [n, H, V, K] (finite; any floating dtype, computed in fp32) into the checkpoints of
+        ``slots`` (how a prefill state enters the pool) from the start matrix q0 [V, R] (finite; default
+        :func:`leapquant.reference.default_q0`); their windows are left as they are."""
         from .reference import compress, default_q0
+        s = self._slots(slots)
         q0 = default_q0(self.device) if q0 is None else q0
-        self.write_checkpoint(slots, *compress(states.to(self.device, torch.float32), q0.to(self.device)))
+        S, q0 = stage([("states", states, Field(("V", "K"), torch.float32), self._lead(s)),
+                       ("q0", q0, Field(("V", "R"), torch.float32), ())], self.device)
+        # compress's output goes through the same checks as a caller's checkpoint before anything is written
+        self._put_checkpoint(s, *self._stage_checkpoint(s, *compress(S, q0)))
 
     def decode(self, slots, with_window: bool = True) -> torch.Tensor:
-        """Dense fp32 states [n, H, V, K] of ``slots``: the checkpoint, and (``with_window``) the window folded in
-        as a flush would (whatever ``hcnt`` says)."""
+        """Dense fp32 states [n, H, V, K] of ``slots``: the checkpoint, and (``with_window``, a bool) the window
+        folded in as a flush would (whatever ``hcnt`` says). A slot may be named more than once."""
         from .reference import decode_checkpoint, rebuild
-        s = self._slots(slots)
-        ck = self.read_checkpoint(s)
+        s = self._slots(slots, distinct=False)
+        if not isinstance(with_window, bool):
+            raise ValueError(f"with_window: expected a bool, got {with_window!r}")
+        ck = self._read(s)
         if not with_window:
             return decode_checkpoint(*ck)
         if self.gate == "kda":
