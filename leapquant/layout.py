@@ -1,6 +1,7 @@
 """The pool ABI, defined once: constants, byte layout of a checkpoint, and :class:`Pool`.
 
-Every other module (reference, kernels, tests, benchmark) imports its offsets and shapes from here.
+Every other module (kernels, tests, benchmark) imports its offsets and shapes from here; the math's sizes and
+constants (V, K, L, R, QMAX, EPS) are :mod:`leapquant.numerics`'s, re-exported.
 
 Geometry (SPEC section 4). The serving engine owns one flat fp32 buffer ``raw`` of ``NS * SS + OFF`` words with
 ``SS = (H + 1) * V * K`` (one spare head region per slot). The (slot, head) region of ``V * K`` fp32 words starts at
@@ -21,14 +22,8 @@ from typing import Sequence
 
 import torch
 
-# ---- the math's sizes (SPEC section 2) -----------------------------------------------------------------------------
-V = 128          #: value dimension (rows of the state)
-K = 128          #: key dimension (columns of the state)
-L = 16           #: window length: updates buffered between two flushes
-R = 4            #: rank of the fp16 part (number of Compensator Tokens)
-QMAX = 127       #: largest code magnitude; codes live in [-QMAX, QMAX]
-EPS = 1e-12      #: floor of both smoothing scales (an all-zero column or row keeps finite scales)
-FP16_MAX = 65504.0  #: largest finite fp16: the reference clamps the tokens to it (|S| < 1e4 can give |U| ~ 1e5)
+from .numerics import EPS, FP16_MAX, K, L, QMAX, R, V  # noqa: F401  (the math's sizes and constants, re-exported)
+from .reference import compress, decode_checkpoint, default_q0, rebuild
 
 DEFAULT_HEADS = 32
 GATES = ("kda", "gdn")
@@ -406,7 +401,6 @@ class Pool:
         """Compress dense states [n, H, V, K] (finite; any floating dtype, computed in fp32) into the checkpoints of
         ``slots`` (how a prefill state enters the pool) from the start matrix q0 [V, R] (finite; default
         :func:`leapquant.reference.default_q0`); their windows are left as they are."""
-        from .reference import compress, default_q0
         s = self._slots(slots)
         q0 = default_q0(self.device) if q0 is None else q0
         S, q0 = stage([("states", states, Field(("V", "K"), torch.float32), self._lead(s)),
@@ -417,7 +411,6 @@ class Pool:
     def decode(self, slots, with_window: bool = True) -> torch.Tensor:
         """Dense fp32 states [n, H, V, K] of ``slots``: the checkpoint, and (``with_window``, a bool) the window
         folded in as a flush would (whatever ``hcnt`` says). A slot may be named more than once."""
-        from .reference import decode_checkpoint, rebuild
         s = self._slots(slots, distinct=False)
         if not isinstance(with_window, bool):
             raise ValueError(f"with_window: expected a bool, got {with_window!r}")

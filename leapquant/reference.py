@@ -13,13 +13,14 @@ The flush of one program (one sequence and head):
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .layout import EPS, FP16_MAX, K, L, QMAX, R, V, Pool
+from .numerics import EPS, FP16_MAX, GS_ABS_FLOOR, K, L, QMAX, R, V
 
-#: Columns whose norm after projection falls below this are numerically absent (an all-zero or rank-deficient head):
-#: they become zero columns instead of 0/0. fp32's smallest normal is 1.2e-38, so any real direction is far above it.
-ORTH_ABS_FLOOR = 1e-30
+if TYPE_CHECKING:                     # the pool is only read here: no import of the layout module (which imports this)
+    from .layout import Pool
 
 #: Programs rebuilt at once by the reference flush: bounds its temporaries to ~64 MB per fp32 intermediate.
 CHUNK = 1024
@@ -76,7 +77,7 @@ def rebuild(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.
 def orthonormalize(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning ``x`` [..., n, R]: Gram-Schmidt with every projection applied twice, so the
     columns stay orthogonal to working precision even when ``x`` is nearly rank-deficient. A column with nothing left
-    after projection (norm <= ORTH_ABS_FLOOR) becomes zero."""
+    after projection (norm <= GS_ABS_FLOOR) becomes zero."""
     cols: list[torch.Tensor] = []
     for j in range(x.shape[-1]):
         c = x[..., j]
@@ -84,7 +85,7 @@ def orthonormalize(x: torch.Tensor) -> torch.Tensor:
             for prev in cols:
                 c = c - prev * (prev * c).sum(-1, keepdim=True)
         n = c.norm(dim=-1, keepdim=True)
-        cols.append(torch.where(n > ORTH_ABS_FLOOR, c / n.clamp_min(ORTH_ABS_FLOOR), torch.zeros_like(c)))
+        cols.append(torch.where(n > GS_ABS_FLOOR, c / n.clamp_min(GS_ABS_FLOOR), torch.zeros_like(c)))
     return torch.stack(cols, dim=-1)
 
 

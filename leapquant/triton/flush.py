@@ -13,8 +13,8 @@ programs are spread over the rows, and no program waits for another; a call with
 
 One due item = one (slot, head) program, processed top-down as the algorithm (SPEC section 2), all in fp32 registers:
 rebuild the state S [V, K] (the window as one fp32 FMA matrix product), one subspace iteration from
-q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q; orth = CholeskyQR2 with floored pivots, each of P, Q, U one batched
-reduction), fp16 tokens, residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window
+q0 (P = orth(S^T q0), Q = orth(S P), U = S^T Q; orth = CholeskyQR with floored pivots, one pass for P and two for Q
+as in every kernel (leapquant.numerics); each of P, Q, U one batched reduction), fp16 tokens, residual E = S - q^T u with the rounded tokens, smoothing scales, codes; then the window
 reset.
 
 The kernel runs unchanged under ``TRITON_INTERPRET=1`` (the CPU test tier): bf16/fp16 values are converted to fp32
@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import (CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V,
-                      Pool, slot_stride)
+from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, Pool, slot_stride
+from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, EPS, FP16_MAX, K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES,
+                        QMAX, R, RINT_MAGIC, V)
 
 assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
 
@@ -55,28 +56,19 @@ _TOK_ROW = _const(K + V)                        # fp16 words per token row (u[r,
 _QMAX = _const(float(QMAX))
 _EPS = _const(EPS)
 _FP16_MAX = _const(FP16_MAX)
-#: CholeskyQR pivot floor relative to the column's own squared norm G_jj. A pivot d_j = G_jj - sum_i L_ji^2 is a
-#: difference of sums of 128 fp32 products, exact only to ~128 * 2^-24 * G_jj ~ 1e-5 G_jj: below that it is rounding
-#: noise, possibly negative (a column in the span of the earlier ones: rank-deficient heads). 1e-4 keeps a margin of 10
-#: over that noise; a floored column leaves the first pass with norm < 1, and its direction is renormalised by the
-#: second pass.
-_REL_FLOOR = _const(1e-4)
-#: absolute pivot floor, in squared-norm units: only an exactly (or sub-1e-15-norm) zero column reaches it; it turns
-#: 0 / 0 into 0 (all-zero heads, zero columns of rank-deficient heads stay exactly zero), and a column below it is
-#: multiplied by at most 1e15, so it leaves a pass with norm < 1. Real heads (|S| >= ~1e-4 in the domain) have
-#: squared column norms many orders above it, and fp32 (normal down to 1.2e-38) represents it exactly enough.
-_ABS_FLOOR = _const(1e-30)
+#: CholeskyQR pivot floors and passes: leapquant.numerics (shared with the Gluon and TileLang kernels)
+_REL_FLOOR = _const(CHOLQR_RELATIVE_FLOOR)
+_ABS_FLOOR = _const(CHOLQR_ABS_FLOOR)
+_P_PASSES = _const(P_CHOLQR_PASSES)
+_Q_PASSES = _const(Q_CHOLQR_PASSES)
 _OFF = _const(OFF)
 _REGION_WORDS = _const(REGION_WORDS)
 _CODES_BYTE = _const(CODES_BYTE)
 _SK_WORD = _const(SK_BYTE // 4)
 _SV_WORD = _const(SV_BYTE // 4)
 _TOK_HALF = _const(TOK_BYTE // 2)
-#: 1.5 * 2^23: adding it to an fp32 |x| < 2^22 rounds x to the nearest integer, ties to even (the fp32 adder's own
-#: rounding), and leaves that integer in the low mantissa bits: the low byte of the sum's bits is the int8 code in two's
-#: complement. So the codes are made without a rounding or a float-to-int conversion instruction (FRND, F2I issue at a
-#: quarter of the FMA rate); |codes| <= 127 is far inside that range
-_RINT_MAGIC = _const(12582912.0)
+#: rounding to the nearest code without a rounding or conversion instruction: leapquant.numerics.RINT_MAGIC
+_RINT_MAGIC = _const(RINT_MAGIC)
 #: a code byte b (unsigned view) as a float: (b ^ 0x80) is code + 128 in 0..255; as the low mantissa byte of 2^23 it
 #: gives the float 2^23 + code + 128, and subtracting 2^23 + 128 is exact (no I2F)
 _CODE_BIAS_BITS = _const(0x4B000000)
@@ -193,12 +185,12 @@ def _cholqr(x0, x1, x2, x3):
 
 
 @triton.jit
-def _orthonormalize(c0, c1, c2, c3):
-    """CholeskyQR2 (SPEC section 2): two CholeskyQR passes. The first leaves columns orthogonal up to
-    ~eps * cond(X)^2 (the floor bounds what a rank-deficient column can blow up to); the second, on a nearly
-    orthonormal input, brings them to working precision."""
-    c0, c1, c2, c3 = _cholqr(c0, c1, c2, c3)
-    return _cholqr(c0, c1, c2, c3)
+def _orthonormalize(c0, c1, c2, c3, PASSES: tl.constexpr):
+    """CholeskyQR with PASSES passes (leapquant.numerics: one for P, two for Q). A pass on a nearly orthonormal input
+    brings the columns to working precision; the floors bound what a rank-deficient column can blow up to."""
+    for _ in tl.static_range(PASSES):
+        c0, c1, c2, c3 = _cholqr(c0, c1, c2, c3)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -293,9 +285,9 @@ def _flush_one(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gb
     q0c2 = tl.load(q0_ptr + rv * _R + 2)
     q0c3 = tl.load(q0_ptr + rv * _R + 3)
     p0, p1, p2, p3 = _sum4(S * q0c0[:, None], S * q0c1[:, None], S * q0c2[:, None], S * q0c3[:, None], 0)
-    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3)
+    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, _P_PASSES)
     c0, c1, c2, c3 = _sum4(S * p0[None, :], S * p1[None, :], S * p2[None, :], S * p3[None, :], 1)
-    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3)
+    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, _Q_PASSES)
     # ---- (3) tokens u = fp16(U^T), q = fp16(Q^T); (4) residual E = S - q^T u with the rounded tokens ----
     # (every U column before the residual: S then dies into E in place instead of both living at once)
     U0, U1, U2, U3 = _sum4(S * c0[:, None], S * c1[:, None], S * c2[:, None], S * c3[:, None], 0)

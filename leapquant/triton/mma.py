@@ -41,7 +41,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ..layout import CODES_BYTE, EPS, FP16_MAX, K, L, OFF, QMAX, R, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE, V
+from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
+from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, EPS, FP16_MAX, K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES,
+                        QMAX, R, RINT_MAGIC, V)
 
 assert R == 4 and V == 128 and K == 128 and L == 16, "the layouts below are written for a 128 x 128 state"
 
@@ -66,13 +68,12 @@ _SK_WORD = gl.constexpr(SK_BYTE // 4)       # s_k, then s_v right after it: one 
 _TOK_HALF = gl.constexpr(TOK_BYTE // 2)
 _ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))   # every region starts on a multiple of this many words
 assert SV_BYTE == SK_BYTE + 4 * K
-#: CholeskyQR pivot floors, the TileLang kernel's (their reasons are given there: CHOL_RELATIVE_FLOOR,
-#: CHOL_ABS_FLOOR); P = S^T q0 gets one pass and Q two, as there (P only seeds the iteration)
-_REL_FLOOR = gl.constexpr(1e-6)
-_ABS_FLOOR = gl.constexpr(1e-36)
-#: 1.5 * 2^23: adding it rounds |y| < 2^22 to an integer, ties to even, left in the low mantissa bits (the low byte is
-#: the int8 code): no rounding or conversion instruction (the tl kernel's _RINT_MAGIC)
-_RINT_MAGIC = gl.constexpr(12582912.0)
+#: CholeskyQR pivot floors and passes, and the rounding constant: leapquant.numerics (shared by every kernel)
+_REL_FLOOR = gl.constexpr(CHOLQR_RELATIVE_FLOOR)
+_ABS_FLOOR = gl.constexpr(CHOLQR_ABS_FLOOR)
+_P_PASSES = gl.constexpr(P_CHOLQR_PASSES)
+_Q_PASSES = gl.constexpr(Q_CHOLQR_PASSES)
+_RINT_MAGIC = gl.constexpr(RINT_MAGIC)
 #: the dequantisation, exact for every code: a code byte c with its sign bit flipped is u = c + 128, and one byte
 #: permute puts u into bits 8..15 of the float 1.0, which makes x = 1 + u 2^-15 (_CODE_BYTES_ASM, two codes per call:
 #: the xor flips both sign bits of the pair's 16-bit word); x - (1 + 2^-8) = c 2^-15 exactly (both in [1, 2)), and one
@@ -527,7 +528,7 @@ def _cholqr(x0, x1, x2, x3):
 
 @gluon.jit
 def _orthonormalize(c0, c1, c2, c3, PASSES: gl.constexpr):
-    """CholeskyQR with PASSES passes (two: CholeskyQR2)."""
+    """CholeskyQR with PASSES passes (leapquant.numerics: one for P, two for Q)."""
     for _ in gl.static_range(PASSES):
         c0, c1, c2, c3 = _cholqr(c0, c1, c2, c3)
     return c0, c1, c2, c3
@@ -667,7 +668,7 @@ def _flush_item(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf
     vvec_xs.store(gl.max(part, 1))
     gl.thread_barrier()
     p0, p1, p2, p3 = _get4(vec_xs)
-    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, 1)
+    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, _P_PASSES)
     _put4(p0, p1, p2, p3, cols_xs)
     gl.thread_barrier()
     p0, p1, p2, p3 = _spread_get(cols_xs, COLS)
@@ -677,7 +678,7 @@ def _flush_item(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf
     gl.thread_barrier()
     c0, c1, c2, c3 = _get4(vec_xs)
     rowmax = vvec_xs.load(ROWS)
-    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, 2)     # (a latency chain: the codes' arithmetic fills it)
+    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, _Q_PASSES)     # (a latency chain: the codes' arithmetic fills it)
     s_v_prev, codes_prev = _code_bytes(x_prev, rowmax)
     _put4(c0, c1, c2, c3, rows_xs)
     _store_codes_and_reset(s_v_prev, codes_prev, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region_prev, prog_prev,
