@@ -4,19 +4,21 @@ For every chosen backend (and every ``--impl`` module), gate, batch and due frac
 ``leapquant.flush_inplace(pool, idx, q0, backend=name)`` on a pool whose rows are rotated over ``--rotate`` (>= 8)
 disjoint slot sets, so that no call finds its data in L2 (SPEC section 5), and reports:
 
-* the call's time: median, p20, p80 over ``--repeats`` calls. On a GPU, CUDA events around the replay of a CUDA graph
-  that holds one call (the deployment form; launches queued behind a sleep kernel, so the host never starves the GPU);
-  a backend that cannot be captured (the reference synchronises with the host) is timed with events around the eager
-  call and labelled so. On a CPU, wall-clock time, labelled so;
+* the call's time: median, p20, p80 over ``--repeats`` calls. On a GPU by default the CUDA kernel time of a CUDA
+  graph that holds one call (the deployment form), read from torch.profiler; ``--timer`` picks CUDA events around the
+  graph replay or the eager call, or the host's wall-clock per eager call instead. The reference synchronises with the
+  host and cannot be captured: it is timed with events around the eager call. On a CPU, wall-clock time. Every row's
+  ``timing`` says which;
 * the memory bound: due programs x ``due_program_bytes(gate)`` over the device-to-device copy bandwidth measured in the
   same run (bytes read + written), and the ratio of the median to it;
 * the verdict of the SPEC section 3 criterion (``leapquant.criterion``) on every input family of
   ``leapquant.families``, for the same backend and batch, run through the same pool and the same deployment call.
 
-Output: a markdown table on stdout (``--md`` also writes it with its header to a file), a long-format CSV (``--csv``)
-and a PNG plot of time against batch (``--plot``; needs matplotlib). ``--impl PATH.py`` loads an external
-implementation with the seed's interface (``Pool(num_slots, device)``, ``flush_inplace(pool, idx, q0)``) and checks and
-times it beside the project's backends. See bench/README.md.
+Output: a markdown table on stdout (``--md`` also writes it with its header to a file), a long-format CSV (``--csv``),
+a PNG plot of time against batch (``--plot``; needs matplotlib), and with ``--record DIR`` the table of record
+(``DIR/RECORD.md``, ``.csv``, ``.png``) plus this run's timed rows appended to ``DIR/history.csv``. ``--impl
+MODULE.py`` checks and times an implementation outside the package beside the backends, provided the module has the
+project's interface (:func:`impl_target`). See bench/README.md.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import importlib.util
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -54,13 +57,15 @@ EXIT_OK, EXIT_NOTHING, EXIT_USAGE, EXIT_BUSY = 0, 2, 2, 3
 
 # ---- command line ----------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the bench options to ``parser`` (the lead's CLI mounts them as the ``bench`` subcommand)."""
+    """Add the bench options to ``parser`` (``leapquant.cli`` mounts them as the ``bench`` subcommand)."""
     parser.add_argument("--backends", nargs="+", default=None, metavar="NAME",
                         help="project backends to run (reference, triton, tilelang, or 'auto'); default: every "
                              "backend that can serve on this device ('none' for --impl modules only)")
-    parser.add_argument("--impl", action="append", default=[], metavar="PATH.py",
-                        help="an external implementation with the seed's interface, checked and timed beside the "
-                             "backends (repeatable)")
+    parser.add_argument("--impl", action="append", default=[], metavar="MODULE.py",
+                        help="an implementation outside the package, checked and timed beside the backends "
+                             "(repeatable). The module defines Pool(num_slots, num_heads=H, device=D, gate=G) with "
+                             "leapquant.Pool's attributes and flush_inplace(pool, idx, q0); optional NAME (rows "
+                             "'impl:NAME') and close()")
     parser.add_argument("--batch", nargs="+", type=int, default=None, metavar="N",
                         help=f"sequences per call (x heads programs); default {' '.join(map(str, DEFAULT_GPU_BATCHES))}"
                              f" on a GPU, {' '.join(map(str, DEFAULT_CPU_BATCHES))} on a CPU")
@@ -92,9 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="distinct rows of input families generated per gate; a batch of B rows tiles them "
                              "(default 16: 512 heads at 32 heads, every family many times)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input families and the due pattern")
-    parser.add_argument("--impl-pool", choices=("shared", "per-batch"), default="shared",
-                        help="--impl modules: one pool sized for the largest batch (one kernel build), or one pool "
-                             "of rotate x batch + 9 slots per batch (a build per batch for the seed)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--interpret", action="store_true",
                         help="on a CPU, run Triton kernels through TRITON_INTERPRET=1 (tiny sizes only)")
@@ -105,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--csv", metavar="PATH", help="write the long-format CSV here")
     parser.add_argument("--md", metavar="PATH", help="write the header and the markdown table here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG plot of time against batch here (matplotlib)")
+    parser.add_argument("--record", metavar="DIR",
+                        help="write the table of record: DIR/RECORD.md, DIR/RECORD.csv and DIR/RECORD.png (as --md, "
+                             "--csv, --plot) and append this run's timed rows to DIR/history.csv (created with a "
+                             "header when missing); only for a run that completed and timed something")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return parser
 
@@ -246,31 +252,17 @@ def gpu_load(device) -> tuple[bool | None, str]:
                   desc + ": idle at start; the machine may still be shared, so timings are from a shared machine")
 
 
-# ---- pools: the project's and external ones, written through the same attributes --------------------------------
-def _tokens(pool) -> Any:
-    """fp16 [NS, H, R, K + V] Compensator Tokens of a pool: ``tokens`` (leapquant) or ``uq`` (the seed)."""
-    t = getattr(pool, "tokens", None)
-    return t if t is not None else pool.uq
-
-
-def pool_heads(pool) -> int:
-    return int(pool.codes.shape[1])
-
-
-def pool_gate(pool) -> str:
-    return "kda" if getattr(pool, "pcum", None) is not None and getattr(pool, "gbuf", None) is not None else "gdn"
-
-
+# ---- pools: written and read through leapquant.layout.Pool's attributes -------------------------------------------
 def load_programs(pool, slots, t: dict, gate: str) -> None:
-    """Write checkpoints and full windows ``t`` (leading dims [n, H]) into ``slots`` (long [n]) of any pool with the
-    ABI's attributes; ``hcnt`` is set to L (due)."""
+    """Write checkpoints and full windows ``t`` (leading dims [n, H]) into ``slots`` (long [n]) of a pool with the
+    attributes of :class:`leapquant.layout.Pool`; ``hcnt`` is set to L (due). Plain tensor writes, so an ``--impl``
+    module's pool works as long as it has those attributes."""
     from .layout import K, L
     pool.codes[slots] = t["codes"]
     pool.s_k[slots] = t["s_k"]
     pool.s_v[slots] = t["s_v"]
-    tok = _tokens(pool)
-    tok[slots, :, :, :K] = t["u"]
-    tok[slots, :, :, K:] = t["q"]
+    pool.tokens[slots, :, :, :K] = t["u"]
+    pool.tokens[slots, :, :, K:] = t["q"]
     pool.kbuf[slots] = t["kbuf"]
     pool.ubuf[slots] = t["ubuf"]
     pool.w[slots] = t["w"]
@@ -283,8 +275,9 @@ def load_programs(pool, slots, t: dict, gate: str) -> None:
 
 
 def read_checkpoint(pool, slots) -> tuple:
+    """Copies of the checkpoints ``(codes, s_k, s_v, u, q)`` of ``slots`` (long [n])."""
     from .layout import K
-    tok = _tokens(pool)[slots]
+    tok = pool.tokens[slots]
     return (pool.codes[slots].clone(), pool.s_k[slots].clone(), pool.s_v[slots].clone(),
             tok[..., :K].contiguous(), tok[..., K:].contiguous())
 
@@ -292,22 +285,21 @@ def read_checkpoint(pool, slots) -> tuple:
 # ---- what gets timed ----------------------------------------------------------------------------------------------
 @dataclass
 class Target:
-    """One column of the comparison: a project backend or an external implementation module."""
+    """One column of the comparison: a project backend or an ``--impl`` module."""
     name: str
     kind: str                                   # "backend" | "impl"
     flush: Callable | None = None               # flush(pool, idx, q0)
     make_pool: Callable | None = None           # make_pool(num_slots, heads, gate, device) -> pool
     warmup: Callable | None = None              # warmup(pool)
     unavailable: str | None = None              # why it cannot run at all
-    max_batch: int | None = None
-    path: str | None = None
-    pools: dict = field(default_factory=dict)
-
-    def close(self) -> None:
-        self.pools.clear()
+    max_batch: int | None = None                # run only at batches <= this
+    release: Callable | None = None             # release(): called once the target's rows are done
 
 
 def project_target(name: str, device, heads: int, gate_list: Sequence[str], shared_pools: dict) -> Target:
+    """The target of the project's backend ``name`` (or ``auto``): ``flush_inplace(..., backend=name)`` on a
+    :class:`leapquant.layout.Pool`; ``unavailable`` holds the dispatch's reasons when it cannot serve a gate asked
+    for. The backends share one pool per geometry through ``shared_pools`` (they read and write the same layout)."""
     import leapquant
     from . import dispatch
     from .layout import Pool
@@ -323,7 +315,6 @@ def project_target(name: str, device, heads: int, gate_list: Sequence[str], shar
         why.append(_one_line(e))
 
     def make_pool(num_slots, heads_, gate, dev):
-        # the project's backends share one pool per (slots, heads, gate): they read and write the same layout
         key = (num_slots, heads_, gate, str(dev))
         if key not in shared_pools:
             shared_pools.clear()
@@ -340,8 +331,13 @@ def project_target(name: str, device, heads: int, gate_list: Sequence[str], shar
                   unavailable=" | ".join(why) or None)
 
 
+IMPL_INTERFACE = ("Pool(num_slots, num_heads=H, device=D, gate=G) with leapquant.layout.Pool's attributes, "
+                  "flush_inplace(pool, idx, q0)")
+
+
 def load_impl_module(path: str):
-    """Import ``path`` as a module of its own (it is not copied anywhere)."""
+    """Import the file ``path`` as a module of its own (nothing is copied) and check that it defines the names of the
+    ``--impl`` interface (:func:`impl_target`)."""
     p = Path(path).expanduser().resolve()
     if not p.is_file():
         raise FileNotFoundError(f"--impl {path}: no such file")
@@ -358,39 +354,45 @@ def load_impl_module(path: str):
         raise
     for attr in ("Pool", "flush_inplace"):
         if not hasattr(mod, attr):
-            raise AttributeError(f"--impl {path}: the module has no {attr!r} (the seed's interface: Pool(num_slots, "
-                                 f"device), flush_inplace(pool, idx, q0), run(...))")
+            raise AttributeError(f"--impl {path}: the module has no {attr!r} (the interface: {IMPL_INTERFACE})")
     return mod
 
 
+def check_impl_pool(pool, heads: int, gate: str) -> None:
+    """Raise ``ValueError`` when an ``--impl`` module's pool lacks the geometry the run asks for (heads, gate)."""
+    have = int(pool.codes.shape[1])
+    if have != heads:
+        raise ValueError(f"the module's Pool has {have} heads, the run asks for {heads} (--heads)")
+    missing = [f for f in (("pcum", "gbuf") if gate == "kda" else ("p",)) if getattr(pool, f, None) is None]
+    if missing:
+        raise ValueError(f"the module's Pool has no {', '.join(missing)}: not a {gate} pool (--gate {gate})")
+
+
 def impl_target(path: str) -> Target:
+    """The target of ``--impl MODULE.py``: an implementation outside the package, held to the project's interface.
+
+    The module defines ``Pool(num_slots, num_heads=H, device=D, gate=G)``, whose instances carry the attributes of
+    :class:`leapquant.layout.Pool` that the flush reads and writes (``codes``, ``s_k``, ``s_v``, ``tokens``, ``kbuf``,
+    ``ubuf``, ``w``, ``hcnt``, and ``pcum`` + ``gbuf`` for KDA or ``p`` for GDN; same shapes and dtypes), and
+    ``flush_inplace(pool, idx, q0)`` with the meaning of :func:`leapquant.flush_inplace`. It may define ``NAME`` (its
+    rows are named ``impl:NAME``; default: the file's stem) and ``close()`` (called once its rows are done, to free
+    what it holds). A subclass of ``leapquant.Pool`` meets the pool's part. A module that cannot be imported, or a
+    pool of another geometry, becomes rows that say so; the run goes on."""
     label = "impl:" + Path(path).stem
     try:
         mod = load_impl_module(path)
     except BaseException as e:  # a broken module is a row of the table, not a crash
         if isinstance(e, KeyboardInterrupt):
             raise
-        return Target(name=label, kind="impl", path=path, unavailable="import failed: " + _one_line(e))
-
-    cache: dict = {}
+        return Target(name=label, kind="impl", unavailable="import failed: " + _one_line(e))
 
     def make_pool(num_slots, heads, gate, dev):
-        # one pool per size, kept across gates: building one may compile a kernel (the seed's does)
-        key = (num_slots, str(dev))
-        if key not in cache:
-            cache.clear()
-            cache[key] = mod.Pool(num_slots, dev)
-        pool = cache[key]
-        if pool_heads(pool) != heads:
-            raise ValueError(f"the module's Pool has {pool_heads(pool)} heads, the run asks for {heads} (--heads)")
-        if pool_gate(pool) != gate:
-            raise ValueError(f"the module's Pool is {pool_gate(pool)}, the run asks for gate {gate}")
+        pool = mod.Pool(num_slots, num_heads=heads, device=dev, gate=gate)
+        check_impl_pool(pool, heads, gate)
         return pool
 
-    def flush(pool, idx, q0):
-        mod.flush_inplace(pool, idx, q0)
-
-    return Target(name=label, kind="impl", flush=flush, make_pool=make_pool, warmup=None, path=path, pools=cache)
+    return Target(name="impl:" + str(getattr(mod, "NAME", Path(path).stem)), kind="impl", flush=mod.flush_inplace,
+                  make_pool=make_pool, release=getattr(mod, "close", None))
 
 
 # ---- measurements ----------------------------------------------------------------------------------------------
@@ -675,7 +677,7 @@ def judge(name: str, data: CheckData, batch: int, out: Sequence) -> Any:
     return criterion.judge(exact, list(out), list(ref), labels=labels, name=name)
 
 
-# ---- the run ---------------------------------------------------------------------------------------------------
+# ---- rows: one per point, and their formats --------------------------------------------------------------------
 @dataclass
 class Row:
     backend: str
@@ -829,50 +831,84 @@ def _argv(argv: Sequence[str] | None) -> list[str]:
     return cmd[1:] if cmd[:1] == ["bench"] else cmd
 
 
-def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); returns the exit status."""
-    if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        # the interpreter must be on before triton is first imported, and importing leapquant (torch.compiler)
-        # already imported it: run the benchmark again in a child process with the variable set
-        cmd = _argv(argv)
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        code = "import sys; from leapquant.bench import main; sys.exit(main(sys.argv[1:]))"
-        return subprocess.call([sys.executable, "-c", code, *cmd], env=env)
+# ---- the run, step by step ---------------------------------------------------------------------------------------
+#: the header's description of each --timer on a GPU, and the short form in the plot's title
+TIMING_LONG = {
+    "kernel": "CUDA kernel time from torch.profiler: per call, first kernel start to last kernel end, replaying a CUDA "
+              "graph of one flush_inplace call (markers between calls); the reference (host-synchronising) with CUDA "
+              "events around the eager call",
+    "graph": "per call, CUDA events around the replay of a CUDA graph holding one flush_inplace call (launches queued "
+             "behind a sleep kernel; includes the replay's launch overhead)",
+    "eager": "per call, CUDA events around the eager call (launches queued behind a sleep kernel)",
+    "wall": "host wall-clock per eager call of leapquant.flush_inplace (argument checks, dispatch and launch "
+            "included): runs of 16 back-to-back calls, synchronised after each run",
+}
+TIMING_SHORT = {"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay, events", "eager": "eager, events",
+                "wall": "eager, host wall-clock"}
+
+#: the table of record inside a --record directory, and the history of every recorded run beside it
+RECORD_FILES = ("RECORD.md", "RECORD.csv", "RECORD.png")
+HISTORY_FILE = "history.csv"
+HISTORY_COLUMNS = ("commit", "date", "gpu", "backend", "gate", "batch", "heads", "due", "median_us", "bound_us",
+                   "verdict")
+
+
+class UsageError(ValueError):
+    """Options that cannot run (exit status EXIT_USAGE)."""
+
+
+@dataclass
+class Plan:
+    """The resolved options of one run: the device, the batches and the timed calls per point."""
+    device: Any
+    batches: list[int]
+    repeats: int
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def _rerun_interpreted(argv: Sequence[str] | None) -> int:
+    """Run the benchmark again in a child process with TRITON_INTERPRET=1 and return its exit status: the
+    interpreter must be on before triton is first imported, and importing leapquant (torch.compiler) already did."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import sys; from leapquant.bench import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.call([sys.executable, "-c", code, *_argv(argv)], env=env)
+
+
+def plan_run(args: argparse.Namespace) -> Plan:
+    """Resolve the device, the batches and the repeats from ``args``; raise :class:`UsageError` for options that
+    cannot run."""
     import torch
-
-    import leapquant
-    from .layout import due_program_bytes
-    from .reference import default_q0
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    on_gpu = device.type == "cuda"
     if args.rotate < 8:
-        print("leapquant bench: --rotate must be at least 8 (L2-cold timing)", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--rotate must be at least 8 (L2-cold timing)")
+    on_gpu = device.type == "cuda"
     batches = list(dict.fromkeys(args.batch or (DEFAULT_GPU_BATCHES if on_gpu else DEFAULT_CPU_BATCHES)))
     if any(b < 1 for b in batches) or args.heads < 1 or args.check_rows < 1:
-        print("leapquant bench: --batch, --heads and --check-rows must be positive", file=sys.stderr)
-        return EXIT_USAGE
-    progress_quiet = args.quiet
+        raise UsageError("--batch, --heads and --check-rows must be positive")
+    if args.record:
+        try:                                     # checked before measuring: a record without its plot is incomplete
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--record writes RECORD.png and needs matplotlib (pip install -e '.[bench]')") from None
+    return Plan(device=device, batches=batches, repeats=args.repeats or (100 if on_gpu else 3))
 
-    load_busy, load_desc = (None, "CPU run: wall-clock timings, not kernel times")
-    if on_gpu:
-        load_busy, load_desc = gpu_load(device)
-        if load_busy and not args.allow_busy:
-            print(f"leapquant bench: refusing to time: {load_desc} (pass --allow-busy to time anyway)",
-                  file=sys.stderr)
-            return EXIT_BUSY
 
-    # ---- what to run
+def build_targets(args: argparse.Namespace, device) -> list[Target]:
+    """The targets asked for, in the order asked: ``--backends`` (default: every backend that can serve on
+    ``device``; ``none``: no backend), then the ``--impl`` modules. One that cannot run stays, with the reason, so its
+    rows say why."""
+    import leapquant
     names = args.backends
     if names is None:
         names = [r["name"] for r in leapquant.backend_info(device, args.heads, args.gate[0]) if r["available"]]
-    names = [n for n in names if n.lower() != "none"]
     targets: list[Target] = []
     shared_pools: dict = {}
-    for n in dict.fromkeys(names):
+    for n in dict.fromkeys(n for n in names if n.lower() != "none"):
         try:
             t = project_target(n, device, args.heads, args.gate, shared_pools)
         except Exception as e:
@@ -880,124 +916,291 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
         if n == "reference":
             t.max_batch = args.ref_max_batch
         targets.append(t)
-    for path in args.impl:
-        targets.append(impl_target(path))
-    if not targets:
-        print("leapquant bench: nothing to run (no --backends, no --impl)", file=sys.stderr)
-        return EXIT_NOTHING
+    targets.extend(impl_target(path) for path in args.impl)
+    return targets
 
+
+def environment(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[str] | None) -> dict[str, Any]:
+    """The facts every result carries: the device, the copy bandwidth and the timer floor measured now, the bytes per
+    due program, the timing method, the correctness set-up, the versions, commit, date, load and the exact command.
+    They make the markdown header and the per-run columns of the CSV."""
+    import torch
+
+    import leapquant
+    from .layout import due_program_bytes
+    device, on_gpu = plan.device, plan.on_gpu
     versions = package_versions()
     bw, bw_how = copy_bandwidth(device)
     floor_us = timer_floor(device, args.timer)
-    env: dict[str, Any] = dict(
-        device=leapquant.device_description(device).split(" (")[0] if on_gpu else leapquant.device_description(device),
-        device_long=leapquant.device_description(device),
+    described = leapquant.device_description(device)
+    check = (f"SPEC section 3 criterion (leapquant.criterion.judge) on every family of leapquant.families: "
+             f"{args.check_rows} distinct rows x {args.heads} heads per gate (seed {args.seed}) tiled to the batch, "
+             f"run through the same pool and deployment call as the timing; `worst ratio` is the largest err / bound "
+             f"over the heads (pass <= 1)" if args.refcheck else "not checked (--no-refcheck)")
+    return dict(
+        device=described.split(" (")[0] if on_gpu else described,
+        device_long=described,
         device_type=device.type,
         sm_count=torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else "",
         bandwidth_gbs=bw / 1e9, bandwidth_how=bw_how, timer_floor_us=floor_us,
         bytes_kda=due_program_bytes("kda"), bytes_gdn=due_program_bytes("gdn"),
         commit=args.commit or git_commit(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        rotate=args.rotate, load=load_desc,
+        rotate=args.rotate, load=load,
         command="leapquant bench " + " ".join(shlex.quote(a) for a in _argv(argv)),
-        timing_long=({"kernel": "CUDA kernel time from torch.profiler: per call, first kernel start to last kernel "
-                                "end, replaying a CUDA graph of one flush_inplace call (markers between calls); the "
-                                "reference (host-synchronising) with CUDA events around the eager call",
-                      "graph": "per call, CUDA events around the replay of a CUDA graph holding one flush_inplace "
-                               "call (launches queued behind a sleep kernel; includes the replay's launch overhead)",
-                      "eager": "per call, CUDA events around the eager call (launches queued behind a sleep kernel)",
-                      "wall": "host wall-clock per eager call of leapquant.flush_inplace (argument checks, dispatch "
-                              "and launch included): runs of 16 back-to-back calls, synchronised after each run",
-                      }[args.timer] + " (the row's `timing` column in the CSV says which)" if on_gpu else
+        timing_long=(TIMING_LONG[args.timer] + " (the row's `timing` column in the CSV says which)" if on_gpu else
                      "wall-clock per call on the CPU (not kernel times)"),
-        timing_short={"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay, events",
-                      "eager": "eager, events", "wall": "eager, host wall-clock"}[args.timer] if on_gpu else
-                     "CPU wall-clock",
-        check_long=(f"SPEC section 3 criterion (leapquant.criterion.judge) on every family of leapquant.families: "
-                    f"{args.check_rows} distinct rows x {args.heads} heads per gate (seed {args.seed}) tiled to the "
-                    f"batch, run through the same pool and deployment call as the timing; `worst ratio` is the "
-                    f"largest err / bound over the heads (pass <= 1)" if args.refcheck else "not checked (--no-refcheck)"),
+        timing_short=TIMING_SHORT[args.timer] if on_gpu else "CPU wall-clock",
+        check_long=check,
         **versions,
     )
 
-    q0 = default_q0(device)
-    rows: list[Row] = []
-    steps_per_batch = len(args.due) + (1 if args.refcheck else 0)
-    prog = Progress(len(targets) * len(args.gate) * len(batches) * steps_per_batch, progress_quiet)
-    prog.log(f"{env['device']}: copy bandwidth {bw / 1e9:.0f} GB/s; {load_desc}")
-    check_cache: dict[str, CheckData | str] = {}
-    max_b = max(batches)
 
-    def check_data(gate: str) -> CheckData | str:
-        if gate not in check_cache:
+class CheckCache:
+    """The check data (:class:`CheckData`) of each gate, built once on first use, or why it could not be built;
+    ``None`` under ``--no-refcheck``."""
+
+    def __init__(self, args: argparse.Namespace, device) -> None:
+        self.args, self.device, self.data = args, device, {}
+
+    def get(self, gate: str) -> CheckData | str | None:
+        if not self.args.refcheck:
+            return None
+        if gate not in self.data:
+            a = self.args
             try:
-                check_cache[gate] = CheckData(gate, args.heads, args.check_rows, args.seed, device)
+                self.data[gate] = CheckData(gate, a.heads, a.check_rows, a.seed, self.device)
             except Exception as e:
-                check_cache[gate] = "families/criterion unavailable: " + _one_line(e)
-        return check_cache[gate]
+                self.data[gate] = "families/criterion unavailable: " + _one_line(e)
+        return self.data[gate]
 
-    # execution order: the reference, then the external modules, then the project's GPU kernels, so that a kernel
-    # that breaks the CUDA context (a sticky error) cannot cost the rows measured before it; rows are reported in
-    # the order asked for
+
+@dataclass
+class Run:
+    """What the steps of one run share: the options, the environment, the check data, the rows and the progress."""
+    args: argparse.Namespace
+    plan: Plan
+    env: dict
+    q0: Any
+    checks: CheckCache
+    prog: Progress
+    rows: list = field(default_factory=list)
+
+
+def steps_per_batch(args: argparse.Namespace) -> int:
+    """Progress steps of one (target, gate, batch): a check (when on), then one per due fraction."""
+    return len(args.due) + (1 if args.refcheck else 0)
+
+
+def execution_order(targets: Sequence[Target]) -> list[Target]:
+    """The order the targets run in: the reference, then the ``--impl`` modules, then the project's GPU kernels, so
+    that a kernel that breaks the CUDA context (a sticky error) cannot cost the rows measured before it."""
     declared = {t.name: i for i, t in enumerate(targets)}
-    order = sorted(targets, key=lambda t: (0 if t.name == "reference" else 1 if t.kind == "impl" else 2,
-                                           declared[t.name]))
-    try:
-        for tgt in order:
-            for gate in args.gate:
-                pool = None
-                pool_err = tgt.unavailable
-                for batch in batches:
-                    base = dict(backend=tgt.name, gate=gate, batch=batch, heads=args.heads)
-                    skip = pool_err
-                    if skip is None and tgt.max_batch is not None and batch > tgt.max_batch:
-                        skip = f"skipped: batch > --ref-max-batch {tgt.max_batch}"
-                    if skip is None:
-                        ns = args.rotate * (max_b if args.impl_pool == "shared" or tgt.kind == "backend" else batch) + 9
-                        try:
-                            if pool is None or pool[0] != ns:
-                                pool = None
-                                if on_gpu:
-                                    torch.cuda.empty_cache()
-                                prog.log(f"{tgt.name}: building a {gate} pool of {ns} slots")
-                                pool = (ns, tgt.make_pool(ns, args.heads, gate, device))
-                                if tgt.warmup is not None:
-                                    tgt.warmup(pool[1])
-                        except BaseException as e:
-                            if isinstance(e, KeyboardInterrupt):
-                                raise
-                            pool = None
-                            pool_err = skip = ("unavailable: " if tgt.kind == "backend" else "error: ") + _one_line(e)
-                            prog.log(f"{tgt.name}: {skip}")
-                    if skip is not None:
-                        status = skip if skip.startswith(("skipped", "error", "unavailable")) else "unavailable: " + skip
-                        for due in args.due:
-                            rows.append(Row(**base, due=due, verdict=status))
-                        prog.step(f"{tgt.name} {gate} b={batch}: {status[:50]}", steps_per_batch)
-                        continue
-                    P = pool[1]
-                    run_rows(tgt, P, gate, batch, args, device, q0, rows, base, prog,
-                             check_data(gate) if args.refcheck else None, env)
-                    if args.csv:                     # what is measured so far survives a killed run
-                        with contextlib.suppress(Exception):
-                            write_csv(args.csv, rows, env)
-                pool = None
-            tgt.close()
-            if on_gpu:
-                torch.cuda.empty_cache()
-    except KeyboardInterrupt:
-        prog.log("interrupted: writing what was measured")
-    finally:
-        prog.close()
+    return sorted(targets, key=lambda t: (0 if t.name == "reference" else 1 if t.kind == "impl" else 2,
+                                          declared[t.name]))
 
-    # ---- output
-    rows.sort(key=lambda r: declared.get(r.backend, len(declared)))   # stable: gate, batch, due order kept
+
+def measure(targets: Sequence[Target], args: argparse.Namespace, plan: Plan, env: dict) -> tuple[list[Row], bool]:
+    """Check and time every (target, gate, batch, due fraction). Returns the rows in the order the targets were asked
+    for (gate, batch and due order kept) and whether the run completed: after Ctrl-C, the rows measured so far and
+    ``False``."""
+    import torch
+
+    from .reference import default_q0
+    steps = len(targets) * len(args.gate) * len(plan.batches) * steps_per_batch(args)
+    run = Run(args=args, plan=plan, env=env, q0=default_q0(plan.device), checks=CheckCache(args, plan.device),
+              prog=Progress(steps, args.quiet))
+    run.prog.log(f"{env['device']}: copy bandwidth {env['bandwidth_gbs']:.0f} GB/s; {env['load']}")
+    complete = False
+    try:
+        for tgt in execution_order(targets):
+            for gate in args.gate:
+                measure_gate(run, tgt, gate)
+            if tgt.release is not None:
+                with contextlib.suppress(Exception):
+                    tgt.release()
+            if plan.on_gpu:
+                torch.cuda.empty_cache()
+        complete = True
+    except KeyboardInterrupt:
+        run.prog.log("interrupted: writing what was measured")
+    finally:
+        run.prog.close()
+    declared = {t.name: i for i, t in enumerate(targets)}
+    run.rows.sort(key=lambda r: declared.get(r.backend, len(declared)))    # stable: gate, batch, due order kept
+    return run.rows, complete
+
+
+def build_pool(run: Run, tgt: Target, gate: str) -> Any:
+    """The target's pool for ``gate``: ``rotate x max(batch) + 9`` slots (every batch's slot sets fit), warmed up
+    (kernels compiled) when the target can be."""
+    import torch
+    num_slots = run.args.rotate * max(run.plan.batches) + 9
+    if run.plan.on_gpu:
+        torch.cuda.empty_cache()
+    run.prog.log(f"{tgt.name}: building a {gate} pool of {num_slots} slots")
+    pool = tgt.make_pool(num_slots, run.args.heads, gate, run.plan.device)
+    if tgt.warmup is not None:
+        tgt.warmup(pool)
+    return pool
+
+
+def measure_gate(run: Run, tgt: Target, gate: str) -> None:
+    """One target and gate at every batch. The pool is built at the first batch the target runs; a batch it cannot
+    run (unavailable, above ``--ref-max-batch``, a pool that could not be built) is one row per due fraction that says
+    why."""
+    pool = None
+    why_not = tgt.unavailable
+    for batch in run.plan.batches:
+        skip = why_not
+        if skip is None and tgt.max_batch is not None and batch > tgt.max_batch:
+            skip = f"skipped: batch > --ref-max-batch {tgt.max_batch}"
+        if skip is None and pool is None:
+            try:
+                pool = build_pool(run, tgt, gate)
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                why_not = skip = ("unavailable: " if tgt.kind == "backend" else "error: ") + _one_line(e)
+                run.prog.log(f"{tgt.name}: {skip}")
+        if skip is not None:
+            status = skip if skip.startswith(("skipped", "error", "unavailable")) else "unavailable: " + skip
+            run.rows.extend(Row(backend=tgt.name, gate=gate, batch=batch, heads=run.args.heads, due=due,
+                                verdict=status) for due in run.args.due)
+            run.prog.step(f"{tgt.name} {gate} b={batch}: {status[:50]}", steps_per_batch(run.args))
+            continue
+        measure_batch(run, tgt, pool, gate, batch)
+        if run.args.csv:                     # what is measured so far survives a killed run
+            with contextlib.suppress(Exception):
+                write_csv(run.args.csv, run.rows, run.env)
+
+
+def slot_sets(nsets: int, batch: int, seed: int, device) -> list:
+    """``nsets`` disjoint sets of ``batch`` slots (long, on ``device``), drawn from slots 1.. in a shuffled order."""
+    import torch
+    g = torch.Generator().manual_seed(seed + 1000 * batch)
+    perm = torch.randperm(nsets * batch, generator=g) + 1
+    return [perm[s * batch:(s + 1) * batch].to(device) for s in range(nsets)]
+
+
+def check_batch(tgt: Target, pool, gate: str, batch: int, sets: list, idx: list, data: CheckData | str | None,
+                device) -> tuple[str, float, str]:
+    """(verdict, worst ratio, message) of the target at ``batch``: the families tiled to the batch are loaded into the
+    first slot set, flushed by the same call as the timing and judged by the criterion."""
+    import torch
+    if data is None:
+        return "unchecked (--no-refcheck)", float("nan"), ""
+    if isinstance(data, str):
+        return data, float("nan"), ""
+    try:
+        t, _, _, labels = data.batch(batch)
+        load_programs(pool, sets[0], t, gate)
+        tgt.flush(pool, idx[0], data.q0)
+        out = read_checkpoint(pool, sets[0])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        v = judge(tgt.name, data, batch, out)
+        message = v.message + "; worst score per family: " + family_scores(v, labels)
+        return ("PASS" if v.passed else "FAIL"), float(v.worst_score), message
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        return "error: " + _one_line(e, 200), float("nan"), "error: " + _where(e) + _one_line(e, 600)
+
+
+def timing_inputs(data: CheckData | str | None, batch: int, heads: int, gate: str, rows: int, seed: int,
+                  device) -> dict:
+    """The programs every slot set holds while timed: the families' rows tiled to ``batch`` (real, varied data),
+    taken from the check data when there is some, else generated here."""
+    if isinstance(data, CheckData):
+        with contextlib.suppress(Exception):
+            return data.batch(batch)[0]
+    from . import families
+    t = families.make_case(min(batch, rows), heads, gate, seed, "cpu").tensors
+    return {k: CheckData._tile(v.to(device), batch) for k, v in t.items()}
+
+
+def time_target(run: Run, tgt: Target, call: Callable[[int], None]) -> tuple[list[float], str]:
+    """Per-call samples (us) of ``call(s)`` over the slot sets and the method's label, by ``--timer``: the profiler's
+    kernel time of graph replays, the host's wall-clock, or CUDA events (around graph replays, or around the eager
+    call for ``eager`` and for the host-synchronising reference); on a CPU, wall-clock."""
+    a, plan = run.args, run.plan
+    kernel = plan.on_gpu and tgt.name != "reference"
+    if kernel and a.timer == "kernel":
+        return time_calls_kernel(call, a.rotate, plan.repeats, plan.device)
+    if a.timer == "wall":
+        return time_calls_wall(call, a.rotate, plan.repeats, plan.device, a.max_seconds)
+    return time_calls(call, a.rotate, plan.repeats, plan.device, a.max_seconds, capture=kernel and a.timer == "graph",
+                      host_sync=(tgt.name == "reference"))
+
+
+def time_due(run: Run, tgt: Target, pool, gate: str, batch: int, due: str, sets: list, idx: list, tiled: dict,
+             row: Row) -> None:
+    """Time the target at one due fraction and fill ``row``'s times, due programs, bound and ratio: every slot set
+    holds ``tiled`` with the fraction's ``hcnt`` pattern, and the calls rotate over the sets."""
+    import torch
+
+    from .layout import due_program_bytes
+    device = run.plan.device
+    pattern, ndue = due_pattern(len(sets), batch, run.args.heads, due, run.args.seed, device)
+    for s, slots in enumerate(sets):
+        load_programs(pool, slots, tiled, gate)
+        pool.hcnt[slots] = pattern[s]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    samples, method = time_target(run, tgt, lambda s: tgt.flush(pool, idx[s], run.q0))
+    row.due_programs = ndue
+    row.median_us, row.p20_us, row.p80_us = (_percentile(samples, 50), _percentile(samples, 20),
+                                             _percentile(samples, 80))
+    row.samples, row.timing = len(samples), method
+    row.bound_us = ndue * due_program_bytes(gate) / (run.env["bandwidth_gbs"] * 1e9) * 1e6
+    row.ratio = row.median_us / row.bound_us if row.bound_us > 0 else float("nan")
+
+
+def measure_batch(run: Run, tgt: Target, pool, gate: str, batch: int) -> None:
+    """Check (once) and time (per due fraction) one target at one batch, appending one row per due fraction. A timing
+    that fails is its row's verdict; the other rows go on."""
+    import torch
+    a, device = run.args, run.plan.device
+    sets = slot_sets(a.rotate, batch, a.seed, device)
+    idx = [s.to(torch.int32) for s in sets]
+    data = run.checks.get(gate)
+    verdict, worst, message = check_batch(tgt, pool, gate, batch, sets, idx, data, device)
+    if data is not None:
+        run.prog.step(f"{tgt.name} {gate} b={batch}: check {verdict[:40]}")
+    tiled = None
+    for due in a.due:
+        row = Row(backend=tgt.name, gate=gate, batch=batch, heads=a.heads, due=due, verdict=verdict,
+                  worst_ratio=worst, message=message)
+        try:
+            if tiled is None:
+                tiled = timing_inputs(data, batch, a.heads, gate, a.check_rows, a.seed, device)
+            time_due(run, tgt, pool, gate, batch, due, sets, idx, tiled, row)
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            row.verdict = (verdict + "; " if verdict else "") + "timing error: " + _one_line(e, 200)
+            with contextlib.suppress(Exception):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        run.rows.append(row)
+        run.prog.step(f"{tgt.name} {gate} b={batch} due={due}: {_fmt(row.median_us)} us")
+
+
+# ---- output ------------------------------------------------------------------------------------------------------
+def report_text(rows: Sequence[Row], env: dict, dues: Sequence[str]) -> str:
+    """The markdown report: the header, the table, then one verdict line per (target, gate, batch) that has one."""
     text = _header(env) + "\n\n" + markdown_table(rows) + "\n"
+    first = dues[0] if dues else None
     notes = [f"- {r.backend} {r.gate} b={r.batch}: {r.message}" for r in rows
-             if r.message and r.due == next((d for d in args.due), r.due)]
+             if r.message and (first is None or r.due == first)]
     if notes:
         text += "\nVerdicts:\n\n" + "\n".join(dict.fromkeys(notes)) + "\n"
-    print(text, end="")
+    return text
+
+
+def write_outputs(text: str, rows: Sequence[Row], args: argparse.Namespace, env: dict) -> None:
+    """Write ``--md`` (the report), ``--csv`` and ``--plot`` where asked; a plot that cannot be drawn is a message."""
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(text)
@@ -1008,89 +1211,100 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
             write_plot(args.plot, rows, env)
         except Exception as e:
             print(f"leapquant bench: no plot written: {_one_line(e)}", file=sys.stderr)
-    return EXIT_OK if any(not math.isnan(r.median_us) for r in rows) else EXIT_NOTHING
 
 
-def run_rows(tgt: Target, pool, gate: str, batch: int, args, device, q0, rows: list, base: dict, prog: Progress,
-             data: CheckData | str | None, env: dict) -> None:
-    """Check (once) and time (per due fraction) one target at one batch, appending rows."""
-    import torch
+def history_row(row: Row, env: dict) -> dict:
+    """``row`` in the fields of the history: the CSV's values, ``gpu`` = the device's name and ``verdict`` shortened
+    to its outcome (PASS, FAIL, error, unchecked)."""
+    d = row.as_dict(env)
+    d["gpu"] = d["device"]
+    d["verdict"] = re.split(r"[:;(]", row.verdict, maxsplit=1)[0].strip()
+    return d
 
-    from .layout import due_program_bytes
-    nsets = args.rotate
-    g = torch.Generator().manual_seed(args.seed + 1000 * batch)
-    perm = torch.randperm(nsets * batch, generator=g) + 1          # slots 1.. in a shuffled order
-    sets = [perm[s * batch:(s + 1) * batch].to(device) for s in range(nsets)]
-    idx = [s.to(torch.int32) for s in sets]
 
-    # correctness, through the same pool and call as the timing
-    verdict, worst, message = "unchecked (--no-refcheck)", float("nan"), ""
-    if data is not None:
-        if isinstance(data, str):
-            verdict = data
-        else:
-            try:
-                t, _, _, _ = data.batch(batch)
-                load_programs(pool, sets[0], t, gate)
-                tgt.flush(pool, idx[0], data.q0)
-                out = read_checkpoint(pool, sets[0])
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                v = judge(tgt.name, data, batch, out)
-                verdict, worst, message = ("PASS" if v.passed else "FAIL"), float(v.worst_score), v.message
-                message += "; worst score per family: " + family_scores(v, data.batch(batch)[3])
-            except BaseException as e:
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                verdict, message = "error: " + _one_line(e, 200), "error: " + _where(e) + _one_line(e, 600)
-        prog.step(f"{tgt.name} {gate} b={batch}: check {verdict[:40]}")
+def append_history(path: str | Path, rows: Sequence[Row], env: dict) -> int:
+    """Append the timed rows to the history CSV at ``path``, in the columns of its header and with its line ends (a new
+    file gets :data:`HISTORY_COLUMNS` and a header); returns the number of rows appended."""
+    path = Path(path)
+    columns, newline, add_line_end = list(HISTORY_COLUMNS), "\n", False
+    exists = path.is_file() and path.stat().st_size > 0
+    if exists:
+        data = path.read_bytes()
+        first = data.split(b"\n", 1)[0]
+        newline = "\r\n" if first.endswith(b"\r") else "\n"
+        header = next(csv.reader([first.decode().rstrip("\r")]), None)
+        if header:
+            columns = header
+        add_line_end = not data.endswith(b"\n")
+    timed = [r for r in rows if not math.isnan(r.median_us)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", newline="") as f:
+        if add_line_end:
+            f.write(newline)
+        w = csv.DictWriter(f, fieldnames=columns, restval="", extrasaction="ignore", lineterminator=newline)
+        if not exists:
+            w.writeheader()
+        for r in timed:
+            w.writerow(history_row(r, env))
+    return len(timed)
 
-    # timing data: the families' rows (tiled) in every slot set
+
+def write_record(directory: str | Path, text: str, rows: Sequence[Row], env: dict) -> int:
+    """Write the table of record into ``directory``: RECORD.md (the report, whose header names the commit, GPU,
+    versions, method and command), RECORD.csv and RECORD.png, as ``--md``, ``--csv`` and ``--plot`` would; then
+    append the run's timed rows to history.csv. Returns the number of rows appended."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    md, csv_path, png = (d / name for name in RECORD_FILES)
+    md.write_text(text)
+    write_csv(str(csv_path), rows, env)
     try:
-        tiled = data.batch(batch)[0] if isinstance(data, CheckData) else None
-    except Exception:
-        tiled = None
-    for due in args.due:
-        row = Row(**base, due=due, verdict=verdict, worst_ratio=worst, message=message)
-        try:
-            if tiled is None:
-                from . import families
-                tiled = {k: v.to(device) for k, v in families.make_case(
-                    min(batch, args.check_rows), args.heads, gate, args.seed, "cpu").tensors.items()}
-                tiled = {k: CheckData._tile(v, batch) for k, v in tiled.items()}
-            pattern, ndue = due_pattern(nsets, batch, args.heads, due, args.seed, device)
-            for s in range(nsets):
-                load_programs(pool, sets[s], tiled, gate)
-                pool.hcnt[sets[s]] = pattern[s]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            nrep = args.repeats or (100 if device.type == "cuda" else 3)
-            if device.type == "cuda" and tgt.name != "reference" and args.timer == "kernel":
-                samples, method = time_calls_kernel(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device)
-            elif args.timer == "wall":
-                samples, method = time_calls_wall(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device,
-                                                  args.max_seconds)
-            else:
-                samples, method = time_calls(lambda s: tgt.flush(pool, idx[s], q0), nsets, nrep, device,
-                                             args.max_seconds,
-                                             capture=(device.type == "cuda" and tgt.name != "reference"
-                                                      and args.timer == "graph"),
-                                             host_sync=(tgt.name == "reference"))
-            row.due_programs = ndue
-            row.median_us, row.p20_us, row.p80_us = (_percentile(samples, 50), _percentile(samples, 20),
-                                                     _percentile(samples, 80))
-            row.samples, row.timing = len(samples), method
-            row.bound_us = ndue * due_program_bytes(gate) / (env["bandwidth_gbs"] * 1e9) * 1e6
-            row.ratio = row.median_us / row.bound_us if row.bound_us > 0 else float("nan")
-        except BaseException as e:
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            row.verdict = (verdict + "; " if verdict else "") + "timing error: " + _one_line(e, 200)
-            with contextlib.suppress(Exception):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-        rows.append(row)
-        prog.step(f"{tgt.name} {gate} b={batch} due={due}: {_fmt(row.median_us)} us")
+        write_plot(str(png), rows, env)
+    except Exception as e:
+        print(f"leapquant bench: no {png} written: {_one_line(e)}", file=sys.stderr)
+    return append_history(d / HISTORY_FILE, rows, env)
+
+
+def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); returns the exit status.
+
+    The steps: resolve the options (:func:`plan_run`), refuse a GPU another process is loading, build the targets
+    (:func:`build_targets`), measure the environment (:func:`environment`), check and time every point
+    (:func:`measure`), then print and write the report (:func:`report_text`, :func:`write_outputs`) and the record
+    (:func:`write_record`, only for a complete run that timed something)."""
+    if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        return _rerun_interpreted(argv)
+    try:
+        plan = plan_run(args)
+    except UsageError as e:
+        print(f"leapquant bench: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    load = "CPU run: wall-clock timings, not kernel times"
+    if plan.on_gpu:
+        busy, load = gpu_load(plan.device)
+        if busy and not args.allow_busy:
+            print(f"leapquant bench: refusing to time: {load} (pass --allow-busy to time anyway)", file=sys.stderr)
+            return EXIT_BUSY
+    targets = build_targets(args, plan.device)
+    if not targets:
+        print("leapquant bench: nothing to run (no --backends, no --impl)", file=sys.stderr)
+        return EXIT_NOTHING
+    env = environment(args, plan, load, argv)
+    rows, complete = measure(targets, args, plan, env)
+    text = report_text(rows, env, args.due)
+    print(text, end="")
+    write_outputs(text, rows, args, env)
+    timed = any(not math.isnan(r.median_us) for r in rows)
+    if args.record:
+        if complete and timed:
+            n = write_record(args.record, text, rows, env)
+            if not args.quiet:
+                print(f"leapquant bench: record written to {args.record} ({', '.join(RECORD_FILES)}); {n} rows "
+                      f"appended to {Path(args.record) / HISTORY_FILE}", file=sys.stderr)
+        else:
+            print(f"leapquant bench: --record {args.record}: not written, "
+                  f"{'nothing was timed' if complete else 'the run was interrupted'}", file=sys.stderr)
+    return EXIT_OK if timed else EXIT_NOTHING
 
 
 if __name__ == "__main__":
