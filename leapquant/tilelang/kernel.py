@@ -28,7 +28,8 @@ whole group before its flush):
     gram_partials,      CholeskyQR (two passes for Q, one for P) with a relative pivot floor on warps 0-3 (one row
     cholesky_apply      per thread): per pass the 4 x 4 Gram matrix reduced over the four warps, its Cholesky factor
                         in every thread's registers, each thread's row times L^-T; a group barrier between the two
-                        halves of a pass and around them (five windows in which warps 4-7 stage)
+                        halves of a pass and around them (five windows in which warps 4-7 stage; where they pass
+                        a barrier of their own, warps 0-3 pass one too: FIRST_ORTH_BARRIER)
     emit_tokens         u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool, and as the residual's mma operands
     residual            E = S - q^T u on the tensor cores (exact fp16 products: no fp16 intermediate of the state)
     column_scales       s_k = max(sqrt(mean_v |E|), EPS)
@@ -90,6 +91,12 @@ FIRST_GROUP_BARRIER = 1                 # named barrier ids 1.. belong to the gr
 #: one; they synchronise among themselves on barriers FIRST_STAGE_BARRIER + group
 STAGE_THREADS = GROUP_THREADS // 2
 FIRST_STAGE_BARRIER = FIRST_GROUP_BARRIER + GROUPS
+#: warps 0-3 of a group pass a barrier of their own (FIRST_ORTH_BARRIER + group, 128 threads) wherever its staging
+#: warps pass theirs, so that every thread of a group has passed the same number of barriers at each group barrier:
+#: the hardware does not need it, compute-sanitizer's racecheck does (the first staging window in make_flush_func
+#: says why; tests/test_tilelang_sync.py checks the counts on the generated source)
+FIRST_ORTH_BARRIER = FIRST_STAGE_BARRIER + GROUPS
+assert FIRST_ORTH_BARRIER + GROUPS <= 16            # named barriers per CTA
 #: CholeskyQR2 (SPEC section 2): X <- X L^-T with L L^T = X^T X, twice. The first pass leaves columns orthonormal to
 #: about eps * cond(X)^2 (after the pivot floor, cond of its output is small), the second to working precision
 CHOLQR_PASSES = 2
@@ -996,6 +1003,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
             tc = wc * QUADS + quad                  # reduction plane of its row partials (one per column octet)
             bar = FIRST_GROUP_BARRIER + g
             stage_bar = FIRST_STAGE_BARRIER + g
+            orth_bar = FIRST_ORTH_BARRIER + g
             st = t - V                              # index of a staging thread (t >= V)
 
             q0_s[0, tx // R, tx % R] = q0[tx // R, tx % R]
@@ -1049,6 +1057,22 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                         if t < V:
                             ph.sum_partials(red_s, g, t, x4, ROW_BANDS, COLUMN_PARTIALS)
                             ph.gram_partials(x4, gram_s, g, t, lane, 0)
+                            # Warps 0-3 pass a barrier of their own where the staging warps pass theirs (below).
+                            # The kernel is race-free without it: every access to a group's buffers in this loop
+                            # is ordered by a group barrier that both the writer and the reader pass (bar.sync 1 + g,
+                            # 256: all 8 warps, in the same program order; a barrier orders the shared-memory
+                            # accesses of the threads that take part in it), and the staging warps' barrier only
+                            # orders their own cp.async data among themselves. compute-sanitizer's racecheck, though,
+                            # matches barriers by how many each thread has passed, not by their id: a probe (4 warps
+                            # on one barrier, 2 of them passing an extra one) gets RAW hazards reported across a
+                            # barrier all 4 pass, and none once the other 2 pass one too. Here, with the staging
+                            # warps one barrier ahead, it reported S P's partials (project_rows' store by warps 4-7,
+                            # sum_partials' read by warps 0-3 after the group barrier between them): 1.38 M RAW
+                            # hazards in one KDA flush of 32 rows x 32 heads, 2/3 due, and none with this barrier,
+                            # both gates. It costs one bar.sync per program among warps 0-3, which wait for the
+                            # staging warps at the group barrier that ends this window anyway
+                            if more:
+                                T.sync_threads(orth_bar, STAGE_THREADS)
                         elif more:
                             T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
                             T.sync_threads(stage_bar, STAGE_THREADS)    # every staging thread's copies landed
@@ -1062,7 +1086,7 @@ def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
                             ph.stage_window_half(st, 1, g, pf_kb, pf_ub, pf_gb, pf_w, kw_s, ubw_s)
                         T.sync_threads(bar, GROUP_THREADS)
                         ph.project_rows(S, pv_s, g, wc, grp, quad, rbase, col0, red_s)
-                        T.sync_threads(bar, GROUP_THREADS)
+                        T.sync_threads(bar, GROUP_THREADS)      # S P's partials (all 8 warps) before warps 0-3 sum them
                         if t < V:
                             ph.sum_partials(red_s, g, t, x4, COL_BANDS, ROW_PARTIALS)
                             ph.gram_partials(x4, gram_s, g, t, lane, 0)
