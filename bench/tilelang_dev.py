@@ -127,7 +127,7 @@ def _timing_pool(batch, gate, due):
     from leapquant.bench import due_pattern
     from leapquant.layout import Pool
     from leapquant.reference import default_q0
-    from leapquant.tilelang import _placeholders, config_for
+    from leapquant.tilelang import _call_args, config_for
     dev = torch.device("cuda")
     nsets, heads = 8, 32
     pool = Pool(nsets * batch + 1, heads, device=dev, gate=gate)
@@ -144,12 +144,10 @@ def _timing_pool(batch, gate, due):
     hc, _ = due_pattern(nsets, batch, heads, due, 0, dev)
     for s in range(nsets):                  # hcnt set once per set (the flush never changes it)
         pool.hcnt[sets[s].long()] = hc[s]
-    ph = _placeholders(pool)
-    pcum, gbuf, p = ((pool.pcum, pool.gbuf, ph["p"]) if pool.gate == "kda" else (ph["pcum"], ph["gbuf"], pool.p))
+    args = _call_args(pool)
 
     def call(kern, s):
-        kern(pool.raw.view(torch.int32), pool.raw, pool.raw.view(torch.float16), pool.kbuf, pool.ubuf, pool.w,
-             pcum, gbuf, p, pool.hcnt, q0, sets[s])
+        kern(*args, q0, sets[s])
     call.pool = pool                        # for tools that read the pool back (bench/tilelang_clock.py)
     call.sets = sets                        # the slot sets' idx (bench/ncu_profile.py calls other backends on them)
     return config_for(pool), nsets, call

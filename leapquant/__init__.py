@@ -5,15 +5,55 @@
     codes, s_k, s_v, u, q = leapquant.run(...)              # functional form (every program due)
 
 See README.md for shapes, backends and environment variables.
+
+The public names are loaded on first use (PEP 562 ``__getattr__``): ``import leapquant`` alone imports neither torch
+nor a backend, so the command line answers ``--help`` at once. ``from leapquant import Pool, flush_inplace`` and
+``leapquant.flush_inplace`` work as with eager imports. The dispatch (torch-free) is imported here, so
+``LEAPQUANT_BACKEND`` is read when leapquant is imported.
 """
-from .api import backend_info, device_description, flush_inplace, run, run_gdn, versions, warmup
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from .dispatch import BACKENDS, BackendUnavailable, use_backend
-from .layout import EPS, K, L, OFF, QMAX, R, V, Pool
-from .reference import default_q0
 
 __version__ = "0.1.0"
+
+#: public name -> the submodule that defines it
+_LAZY = {
+    "backend_info": "api", "device_description": "api", "flush_inplace": "api", "run": "api", "run_gdn": "api",
+    "versions": "api", "warmup": "api",
+    "EPS": "layout", "K": "layout", "L": "layout", "OFF": "layout", "QMAX": "layout", "R": "layout", "V": "layout",
+    "Pool": "layout",
+    "default_q0": "reference",
+}
+#: submodules reachable as attributes (``leapquant.layout``) without importing them first: those an eager
+#: ``import leapquant`` used to load (the backends' packages stay behind an explicit import)
+_SUBMODULES = ("api", "layout", "reference", "validate")
 
 __all__ = [
     "Pool", "flush_inplace", "run", "run_gdn", "warmup", "use_backend", "backend_info", "versions",
     "device_description", "default_q0", "BackendUnavailable", "BACKENDS", "V", "K", "L", "R", "QMAX", "EPS", "OFF",
 ]
+
+if TYPE_CHECKING:  # static analysers and IDEs see the eager form
+    from .api import backend_info, device_description, flush_inplace, run, run_gdn, versions, warmup
+    from .layout import EPS, K, L, OFF, QMAX, R, V, Pool
+    from .reference import default_q0
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is not None:
+        # importing leapquant.api also registers the reference backend with the dispatch
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        globals()[name] = value          # later look-ups skip this function
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -2,21 +2,11 @@
 :func:`run_gdn` (GDN), both of which go through the dispatch."""
 from __future__ import annotations
 
-import platform
-
 import torch
 
-from . import dispatch, reference
-from .layout import K, L, Pool
+from . import dispatch
+from .layout import L, Pool
 from .validate import check_flush_args, check_pool, check_run_args
-
-dispatch.register(dispatch.Backend(
-    name="reference",
-    flush=reference.flush_inplace,
-    reasons=lambda pool: [],
-    description="fp32 torch, any device (the semantic definition; slow, host-synchronising)",
-    versions=lambda: {"torch": torch.__version__},
-))
 
 
 @torch.compiler.disable
@@ -94,37 +84,21 @@ def run_gdn(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.
 
 
 def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "tilelang"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:
-            out[mod] = "not installed"
-    return out
+    """Python, torch, triton and tilelang versions ("not installed" where absent), read without importing them."""
+    return dispatch.versions()
 
 
 def device_description(device: torch.device | str | None = None) -> str:
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
-    return f"CPU ({platform.processor() or platform.machine()})"
+    """The device in words: a GPU's name, compute capability and SM count, or the CPU's."""
+    return dispatch.device_description(device)
 
 
 def backend_info(device: torch.device | str | None = None, num_heads: int = 32, gate: str = "kda",
                  num_rows: int = 256) -> list[dict]:
-    """Every backend, available or not, with the reasons it cannot serve a pool of this geometry on ``device``."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    probe = Pool(2, num_heads, device=device, gate=gate)
-    order = dispatch.auto_order(probe, num_rows)
-    rows = []
-    for name in dispatch.BACKENDS:
-        why = dispatch.reasons(name, probe)
-        b = dispatch.get_backend(name)
-        rows.append(dict(name=name, available=not why, reasons=why,
-                         auto_rank=order.index(name) + 1 if name in order else None,
-                         description=b.description if b else "", versions=b.versions() if b else {}))
-    return rows
+    """Every backend, available or not, with the reasons it cannot serve a pool of this geometry on ``device``:
+    dicts with ``name``, ``available``, ``reasons``, ``auto_rank`` (1 = auto's first choice, None = never auto),
+    ``description`` and ``versions``."""
+    return dispatch.backend_info(device, num_heads=num_heads, gate=gate, num_rows=num_rows)
 
 
-__all__ = ["flush_inplace", "run", "run_gdn", "warmup", "backend_info", "versions", "device_description", "K"]
+__all__ = ["flush_inplace", "run", "run_gdn", "warmup", "backend_info", "versions", "device_description"]

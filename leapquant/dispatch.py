@@ -9,21 +9,32 @@ Choice, in this order of precedence:
   * ``auto``: the first backend of :func:`auto_order` that can serve, logged once per (device, backend).
 A forced backend that cannot serve raises :class:`BackendUnavailable` with its reasons; ``auto`` degrades quietly to
 the next one and, when only the reference is left on a GPU, warns once.
+
+This module imports neither torch nor a backend at import time (``leapquant --help`` loads it): the backends are
+imported when first asked for, and :func:`versions`, :func:`env_problem`, :func:`device_description` and
+:func:`backend_info` (what ``leapquant info`` prints) read package versions from their installed metadata instead of
+importing the packages. ``backend_info`` does not import :mod:`leapquant.api` either (its ``torch.compiler``
+decorator imports torch's compiler stack, about 1.5 s).
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
+import importlib.util
 import logging
 import os
+import platform
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .layout import Pool
+    from .layout import Pool
 
 log = logging.getLogger("leapquant")
 
@@ -34,8 +45,10 @@ ENV_VAR = "LEAPQUANT_BACKEND"
 #: read once at import: later changes of the environment do not move the choice (use ``backend=`` or use_backend)
 ENV_BACKEND: str = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
 
-#: modules that register the optional backends when imported
+#: modules that register the optional backends when imported (the reference is registered by this module)
 _MODULES = {"triton": "leapquant.triton", "tilelang": "leapquant.tilelang"}
+#: the Python package each optional backend needs (checked through its installed metadata, without importing it)
+_PACKAGES = {"triton": "triton", "tilelang": "tilelang"}
 
 
 class BackendUnavailable(ValueError):
@@ -69,7 +82,24 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def _register_reference() -> None:
+    """The reference serves every pool; it is registered here, on first demand, so that asking for it imports only
+    torch and :mod:`leapquant.reference`."""
+    import torch
+
+    from . import reference
+    register(Backend(
+        name="reference",
+        flush=reference.flush_inplace,
+        reasons=lambda pool: [],
+        description="fp32 torch, any device (the semantic definition; slow, host-synchronising)",
+        versions=lambda: {"torch": torch.__version__},
+    ))
+
+
 def _load(name: str) -> Backend | None:
+    if name == "reference" and name not in _REGISTRY:
+        _register_reference()
     if name not in _REGISTRY and name in _MODULES and name not in _IMPORT_ERRORS:
         try:
             importlib.import_module(_MODULES[name])
@@ -120,10 +150,20 @@ def requested(backend: str | None = None) -> str:
     forced = getattr(_local, "forced", None)
     if forced is not None:
         return forced
+    problem = env_problem()
+    if problem:
+        raise ValueError(problem)
+    return ENV_BACKEND
+
+
+def env_problem() -> str | None:
+    """Why the LEAPQUANT_BACKEND read at import is invalid (None: it is valid). Every flush without ``backend=``
+    outside a use_backend block raises a ValueError with this message; ``leapquant info`` prints it."""
     try:
-        return _check_name(ENV_BACKEND)
+        _check_name(ENV_BACKEND)
     except ValueError as e:
-        raise ValueError(f"{ENV_VAR}={ENV_BACKEND!r}: {e}") from None
+        return f"{ENV_VAR}={ENV_BACKEND!r}: {e}"
+    return None
 
 
 def auto_order(pool: Pool, num_rows: int) -> list[str]:
@@ -188,3 +228,67 @@ def all_backends() -> list[Backend | None]:
 def import_error(name: str) -> str | None:
     _load(name)
     return _IMPORT_ERRORS.get(name)
+
+
+# ---- the environment report (``leapquant info``): versions and availability without importing the backends ------
+def package_version(package: str) -> str | None:
+    """The version of ``package`` without importing it: the imported module's own ``__version__`` where it is already
+    imported (that is the code that runs), else its installed metadata; None where it is not installed."""
+    mod = sys.modules.get(package)
+    version = getattr(mod, "__version__", None) if mod is not None else None
+    if isinstance(version, str):
+        return version
+    try:
+        if importlib.util.find_spec(package) is None:
+            return None
+        return importlib.metadata.version(package)
+    except (ImportError, ValueError):   # PackageNotFoundError is an ImportError
+        return None
+
+
+def versions() -> dict[str, str]:
+    """Python, torch, triton and tilelang versions ("not installed" where absent), none of them imported."""
+    out = {"python": platform.python_version()}
+    for package in ("torch", "triton", "tilelang"):
+        out[package] = package_version(package) or "not installed"
+    return out
+
+
+def default_device() -> torch.device:
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_description(device: torch.device | str | None = None) -> str:
+    import torch
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def backend_info(device: torch.device | str | None = None, num_heads: int = 32, gate: str = "kda",
+                 num_rows: int = 256) -> list[dict]:
+    """Every backend, available or not, with the reasons it cannot serve a pool of this geometry on ``device``.
+
+    A backend whose package is not installed is reported from its metadata without importing its module."""
+    import torch
+
+    from .layout import Pool
+    device = torch.device(device) if device is not None else default_device()
+    probe = Pool(2, num_heads, device=device, gate=gate)
+    order = auto_order(probe, num_rows)
+    rows = []
+    for name in BACKENDS:
+        package = _PACKAGES.get(name)
+        if package is not None and name not in _REGISTRY and package_version(package) is None:
+            why = [f"{package} is not installed (pip install 'leapquant[{name}]')"]
+            b = None
+        else:
+            why = reasons(name, probe)
+            b = _REGISTRY.get(name)
+        rows.append(dict(name=name, available=not why, reasons=why,
+                         auto_rank=order.index(name) + 1 if name in order else None,
+                         description=b.description if b else "", versions=b.versions() if b else {}))
+    return rows

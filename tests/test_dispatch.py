@@ -136,3 +136,55 @@ def test_choice_is_cached_per_geometry(monkeypatch):
 def test_register_rejects_unknown_names():
     with pytest.raises(ValueError, match="not one of"):
         dispatch.register(dispatch.Backend("cuda_graph", flush=lambda *a: None, reasons=lambda p: []))
+
+
+# ---- LEAPQUANT_BACKEND validity, reported before any flush ---------------------------------------------------------
+def test_env_problem_names_the_value_and_the_valid_ones(monkeypatch):
+    monkeypatch.setattr(dispatch, "ENV_BACKEND", "bogus")
+    problem = dispatch.env_problem()
+    assert problem and "LEAPQUANT_BACKEND='bogus'" in problem and "auto, reference, triton, tilelang" in problem
+    with pytest.raises(ValueError, match="LEAPQUANT_BACKEND='bogus'"):
+        dispatch.requested()
+    pool, idx, q0 = _pool()
+    with pytest.raises(ValueError, match="LEAPQUANT_BACKEND='bogus'.*auto, reference, triton, tilelang"):
+        lq.flush_inplace(pool, idx, q0)
+    assert dispatch.select(pool, 2, backend="reference").name == "reference"   # an explicit choice still serves
+    monkeypatch.setattr(dispatch, "ENV_BACKEND", "tilelang")
+    assert dispatch.env_problem() is None
+
+
+# ---- the environment report reads versions without importing the backends' packages -------------------------------
+def test_dispatch_imports_neither_torch_nor_a_backend():
+    code = ("import sys, leapquant.dispatch as d; v = d.versions(); "
+            "print(sorted(m for m in ('torch', 'triton', 'tilelang', 'leapquant.api') if m in sys.modules)); "
+            "print(v['torch'] != 'not installed')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]" and out[1] == "True", out
+
+
+def test_reference_registers_without_the_api_module():
+    """Asking the dispatch for the reference imports torch and leapquant.reference only (not leapquant.api, whose
+    torch.compiler decorator costs about 1.5 s), so ``leapquant info`` stays fast."""
+    code = ("import sys, leapquant.dispatch as d; b = d.get_backend('reference'); "
+            "print(b.name, 'leapquant.api' in sys.modules, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["reference", "False", "False"], out
+
+
+def test_package_version_without_import(monkeypatch):
+    assert dispatch.package_version("leapquant_no_such_package") is None
+    assert dispatch.package_version("torch") == torch.__version__
+    assert dispatch.versions()["torch"] == torch.__version__
+
+
+def test_backend_info_reports_a_missing_package_without_importing(monkeypatch):
+    real = dispatch.package_version
+    monkeypatch.setattr(dispatch, "package_version", lambda name: None if name == "tilelang" else real(name))
+    monkeypatch.delitem(dispatch._REGISTRY, "tilelang", raising=False)
+    real_load = dispatch._load
+    monkeypatch.setattr(dispatch, "_load", lambda name: pytest.fail(f"{name} was imported") if name == "tilelang"
+                        else real_load(name))
+    rows = {r["name"]: r for r in dispatch.backend_info("cpu", num_heads=4)}
+    assert not rows["tilelang"]["available"]
+    assert rows["tilelang"]["reasons"] == ["tilelang is not installed (pip install 'leapquant[tilelang]')"]
+    assert rows["reference"]["available"]
