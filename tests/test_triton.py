@@ -27,6 +27,7 @@ from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, du
 
 pytest.importorskip("triton")
 from leapquant import triton as lq_triton  # noqa: E402  (registers the backend)
+from leapquant.triton import launch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -132,8 +133,7 @@ def test_skipped_rows_change_nothing(gate):
 def test_due_list_spans_chunks(heads):
     """Rows x heads beyond one chunk of the due scan (and 1 head): a few due programs scattered over every chunk
     are each flushed once; everything else stays untouched."""
-    from leapquant.triton.flush import CHUNK
-    rows = CHUNK // heads + 3                                 # two chunks (or more with one head)
+    rows = launch.CHUNK // heads + 3                                 # two chunks (or more with one head)
     pool = Pool(rows + 2, heads, device=DEVICE, gate="gdn")
     fill_noise(pool, seed=heads)
     pool.hcnt.fill_(L - 1)
@@ -168,20 +168,20 @@ def test_second_call_keeps_state():
 
 
 def test_layout_constants_match_the_kernel():
-    """The kernel's offsets are the layout's (a changed layout must fail here before it corrupts a pool)."""
-    fm = sys.modules["leapquant.triton.flush"]               # (the package's ``flush`` attribute is the function)
+    """The tl kernel's offsets are the layout's (a changed layout must fail here before it corrupts a pool)."""
+    from leapquant.triton import tl_kernel as tk
     val = lambda c: getattr(c, "value", c)  # noqa: E731
-    assert val(fm._CODES_BYTE) == 0
-    assert val(fm._SK_WORD) * 4 == lq.layout.SK_BYTE and val(fm._SV_WORD) * 4 == lq.layout.SV_BYTE
-    assert val(fm._TOK_HALF) * 2 + 2 * lq.R * (lq.K + lq.V) == CHECKPOINT_BYTES
-    assert val(fm._OFF) == OFF and val(fm._REGION_WORDS) == REGION_WORDS
+    assert val(tk._CODES_BYTE) == 0
+    assert val(tk._SK_WORD) * 4 == lq.layout.SK_BYTE and val(tk._SV_WORD) * 4 == lq.layout.SV_BYTE
+    assert val(tk._TOK_HALF) * 2 + 2 * lq.R * (lq.K + lq.V) == CHECKPOINT_BYTES
+    assert val(tk._OFF) == OFF and val(tk._REGION_WORDS) == REGION_WORDS
 
 
 # ---- the Gluon kernel: builds for every target on the CPU; the kernel choice ---------------------------------------
 _COMPILE = """
 import sys
-from leapquant.triton import mma
-k = mma.compile_static(int(sys.argv[1]), gate=sys.argv[2], num_heads=int(sys.argv[3]))
+from gluon_probes import compile_static
+k = compile_static(int(sys.argv[1]), gate=sys.argv[2], num_heads=int(sys.argv[3]))
 sass = k.asm["sass"]
 print(len(k.asm["cubin"]), sass.count("HMMA"), sass.count("LDGSTS"), sass.count("LDL") + sass.count("STL"))
 """
@@ -189,12 +189,12 @@ print(len(k.asm["cubin"]), sass.count("HMMA"), sass.count("LDGSTS"), sass.count(
 
 def _gluon_child(code: str, *args: str) -> subprocess.CompletedProcess:
     """Runs ``code`` in a child Python without TRITON_INTERPRET (under the interpreter Triton's own library functions
-    are interpreted ones, which Gluon cannot compile), the repository on its path; skips without Gluon, fails with the
-    child's stderr."""
+    are interpreted ones, which Gluon cannot compile), the repository and tests/ (for tests/gluon_probes.py) on its
+    path; skips without Gluon, fails with the child's stderr."""
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -217,18 +217,18 @@ def test_gluon_exchanges_conflict_free():
     """The Gluon kernel's one-round exchange layouts (the sums' partials, the vectors' redistributions, the window
     keys) have no shared-memory bank conflicts on their writes and reads, by Triton's own model (a compiled probe, in a
     child process for the reason above)."""
-    run = _gluon_child("from leapquant.triton.mma import exchange_bank_conflicts as f; print(f())")
+    run = _gluon_child("from gluon_probes import exchange_bank_conflicts as f; print(f())")
     found = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     assert len(found) == 20 and "col4-read" in found and "keys-write" in found, found
     assert all(v == 0 for v in found.values()), f"bank conflicts (excess wavefronts per access): {found}"
 
 
 def test_gluon_code_dequantisation():
-    """The Gluon kernel's dequantisation (mma._CODE_BYTES_ASM: a sign flip and a byte permute into the float 1.0, then
-    an exact subtraction of _CODE_SHIFT and one multiplication by s_k _CODE_SCALE) emulated bit for bit, from the asm
-    text, for every code and s_k over 60 binades: code 0 gives exactly 0 (an all-zero state must decode to zero), and
-    every other code is c s_k / 127 to three roundings (2^15 / 127, the scale, the product)."""
-    run = _gluon_child("from leapquant.triton import mma as m; "
+    """The Gluon kernel's dequantisation (gluon_kernel._CODE_BYTES_ASM: a sign flip and a byte permute into the float
+    1.0, then an exact subtraction of _CODE_SHIFT and one multiplication by s_k _CODE_SCALE) emulated bit for bit, from
+    the asm text, for every code and s_k over 60 binades: code 0 gives exactly 0 (an all-zero state must decode to
+    zero), and every other code is c s_k / 127 to three roundings (2^15 / 127, the scale, the product)."""
+    run = _gluon_child("from leapquant.triton import gluon_kernel as m; "
                        "print(repr((m._CODE_BYTES_ASM.value, m._CODE_SCALE.value, m._CODE_SHIFT.value)))")
     asm, scale, shift = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     flip = int(re.search(r"xor\.b32 t, \$2, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
@@ -285,10 +285,10 @@ def _run_warp_asm(asm: str, inputs: list[list[float]], n_out: int) -> list[list[
 
 
 def test_gluon_gram_reduction():
-    """The Gluon kernel's Gram-matrix reduction (mma._GRAM_ASM: a reduce-scatter over the lanes, then each sum read
-    from a lane holding it) run instruction by instruction over a warp: every lane ends with all ten sums (integers,
-    so exactly)."""
-    run = _gluon_child("from leapquant.triton import mma as m; print(repr(m._GRAM_ASM.value))")
+    """The Gluon kernel's Gram-matrix reduction (gluon_kernel._GRAM_ASM: a reduce-scatter over the lanes, then each sum
+    read from a lane holding it) run instruction by instruction over a warp: every lane ends with all ten sums
+    (integers, so exactly)."""
+    run = _gluon_child("from leapquant.triton import gluon_kernel as m; print(repr(m._GRAM_ASM.value))")
     asm = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     gen = torch.Generator().manual_seed(0)
     for _ in range(4):
@@ -302,32 +302,30 @@ def test_kernel_choice(monkeypatch):
     """LEAPQUANT_TRITON_KERNEL picks the kernel: a bad value is a ValueError naming the choices, also among the
     backend's reasons (so a forced backend raises with it, auto skips it); "mma" where the Gluon kernel cannot run
     (the CPU) raises with the reasons; "tl" always works; unset, the CPU gets "tl"."""
-    fm = sys.modules["leapquant.triton.flush"]
     cpu = torch.device("cpu")
     pool = Pool(3, 2, device=DEVICE)              # a pool the backend serves here (GPU, or the interpreter)
-    monkeypatch.setenv(fm.KERNEL_ENV, "cuda-graphs")
+    monkeypatch.setenv(launch.KERNEL_ENV, "cuda-graphs")
     with pytest.raises(ValueError, match="expected one of"):
-        fm.kernel_for(cpu)
+        launch.kernel_for(cpu)
     assert any("expected one of" in why for why in lq_triton.reasons(pool))
-    monkeypatch.setenv(fm.KERNEL_ENV, "mma")
+    monkeypatch.setenv(launch.KERNEL_ENV, "mma")
     with pytest.raises(RuntimeError, match="CUDA GPUs only"):
-        fm.kernel_for(cpu)
+        launch.kernel_for(cpu)
     if not HAS_CUDA:
         assert any("CUDA GPUs only" in why for why in lq_triton.reasons(pool))
-    monkeypatch.setenv(fm.KERNEL_ENV, "tl")
-    assert fm.kernel_for(cpu) == "tl" and not lq_triton.reasons(pool)
-    monkeypatch.delenv(fm.KERNEL_ENV)
-    assert fm.kernel_for(cpu) == "tl"
+    monkeypatch.setenv(launch.KERNEL_ENV, "tl")
+    assert launch.kernel_for(cpu) == "tl" and not lq_triton.reasons(pool)
+    monkeypatch.delenv(launch.KERNEL_ENV)
+    assert launch.kernel_for(cpu) == "tl"
 
 
 # ---- GPU only: the deployment sizes and CUDA graphs, for both kernels -------------------------------------------
 @pytest.fixture(params=["mma", "tl"])
 def kernel(request, monkeypatch):
     """The Triton backend's two GPU kernels (the Gluon kernel is the default; the tl kernel is the fallback)."""
-    fm = sys.modules["leapquant.triton.flush"]
-    if request.param == "mma" and HAS_CUDA and fm.mma_reasons(DEVICE):
-        pytest.skip("; ".join(fm.mma_reasons(DEVICE)))
-    monkeypatch.setenv(fm.KERNEL_ENV, request.param)
+    if request.param == "mma" and HAS_CUDA and launch.mma_reasons(DEVICE):
+        pytest.skip("; ".join(launch.mma_reasons(DEVICE)))
+    monkeypatch.setenv(launch.KERNEL_ENV, request.param)
     return request.param
 
 
@@ -363,8 +361,7 @@ def test_gpu_nothing_due_is_one_launch(gate, kernel):
 @needs_cuda
 def test_gpu_default_kernel_is_gluon():
     """On an sm_80+ GPU with Gluon, a call runs the Gluon kernel (its name in the profile), not the tl kernel."""
-    fm = sys.modules["leapquant.triton.flush"]
-    if fm.mma_reasons(DEVICE) or os.environ.get(fm.KERNEL_ENV):
+    if launch.mma_reasons(DEVICE) or os.environ.get(launch.KERNEL_ENV):
         pytest.skip("the Gluon kernel is not the default here")
     names = nothing_due_launches("triton", "kda", 8, DEVICE)
     assert names == ["flush_due"], names

@@ -1,5 +1,8 @@
 """The Triton backend: a portable flush kernel for any CUDA GPU Triton supports, and the CPU through
-``TRITON_INTERPRET=1`` (tests). Importing this module registers it with :mod:`leapquant.dispatch`."""
+``TRITON_INTERPRET=1`` (tests). Importing this module registers it with :mod:`leapquant.dispatch`.
+
+Modules: :mod:`.launch` (workspace, kernel choice, the bound launch), :mod:`.tl_kernel` (the portable ``tl`` kernel,
+which the interpreter runs) and :mod:`.gluon_kernel` (the GPU kernel, in Gluon; imported only where it is chosen)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +10,7 @@ import triton
 
 from .. import dispatch
 from ..layout import Pool
-from .flush import INTERPRETED, KERNEL_ENV, kernel_for, flush, warmup
+from .launch import INTERPRETED, KERNEL_ENV, kernel_for, flush, warmup
 
 #: Triton's bf16 loads need sm_80 (Ampere) or newer
 MIN_CAPABILITY = (8, 0)

@@ -1,45 +1,53 @@
 """The Triton backend's GPU kernel, written in Gluon (Triton's explicit-layout dialect) for sm_80 and newer.
 
-Same contract, ranking and algorithm as :mod:`leapquant.triton.flush` (the ``tl`` kernel, which the interpreter runs
-and which is the fallback where Gluon is missing); what differs is that every tensor here has a layout chosen for the
+Same contract, ranking and algorithm as the ``tl`` kernel (:mod:`leapquant.triton.tl_kernel`, which the interpreter
+runs and which serves where Gluon cannot); what differs is that every tensor here has a layout chosen for the
 algorithm instead of one Triton picks. One persistent program of 8 warps per SM (255 registers), items pid, pid + G,
-... of the call's ranked due programs:
+... of the call's ranked due programs. The phases, as docs/spec.md section 2 names them:
 
-    _rank_due           the due programs ranked in flag order (as the tl kernel's ranking)
-    _prefetch           the next item's checkpoint, window and gate copied into shared memory (cp.async, 16-byte
-                        pieces) while this item computes: its loads are off the item's critical path
-    _rebuild            S = (codes s_k s_v / 127 + q^T u) * gate + ubuf^T keys; S lives in the accumulator layout of
-                        mma.m16n8 (:data:`STATE`: 2 row bands x 4 column bands of warps, 8 x 8 values per thread), so
-                        both rank updates run on the tensor cores with exact operands (fp16 tokens; bf16 window values
-                        times the fp32 keys split into two bf16 parts, 2^-17 relative), accumulating in fp32
-    _column_partials,   S^T x and S x for four vectors at once: each thread sums its own 8 rows (columns) of S x as
-    _row_partials,      one FMA chain, then the 16 partials of an output meet in two threads through one exchange
-    _sum4, _get4        in shared memory (a reduce-scatter: no shuffle tree over the lanes of every partial), and the
-                        sums go to every warp through one more. Every exchange but the codes' goes through a buffer
-                        of its own in one round (the *_XCHG_SMEM layouts: hand-built, free of bank conflicts), its
-                        write and its read on either side of a barrier the caller places
-    _orthonormalize     CholeskyQR (one pass for P, two for Q, floored pivots) on the vectors held whole by every
-                        warp (:data:`VEC`): the Gram matrices are warp-local reduce-scatters over the lanes
-                        (:data:`_GRAM_ASM`), no barrier
-    _store_tokens       u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool and to shared memory
-    (residual)          E = S - q^T u on the tensor cores with exactly the stored tokens
-    (scales, codes)     s_k, s_v (reduce-scattered like the products), codes = round_half_even(127 E / (s_k s_v)),
-                        stored as 16-byte vectors after one exchange through shared memory; then the window reset
-                        (w = 0, pcum = 0, gbuf = 1; GDN: p = 1). This tail of item i runs during item i + 1
-                        (:func:`_flush_item`): beside its rebuild, P and Q, at the same barriers
+    ranking             _rank_due: the due programs ranked in flag order (as the tl kernel's ranking)
+    staging             _stage_inputs: the next item's checkpoint, window and gate copied into shared memory
+                        (cp.async, 16-byte pieces, into :class:`StagedInputs`) while this item computes: its loads are
+                        off the item's critical path
+    (1) rebuild         _rebuild: S = (codes s_k s_v / 127 + q^T u) * gate + ubuf^T keys; S lives in the accumulator
+                        layout of mma.m16n8 (:data:`STATE`: 2 row bands x 4 column bands of warps, 8 x 8 values per
+                        thread), so both rank updates run on the tensor cores with exact operands (fp16 tokens; bf16
+                        window values times the fp32 keys split into two bf16 parts, 2^-17 relative), accumulating in
+                        fp32
+    (2) project         _project_t_partials, _project_partials, _sum4, _get4: S^T x and S x for four vectors at once:
+                        each thread sums its own 8 rows (columns) of S x as one FMA chain, then the 16 partials of an
+                        output meet in two threads through one exchange in shared memory (a reduce-scatter: no
+                        shuffle tree over the lanes of every partial), and the sums go to every warp through one more.
+                        Every exchange but the codes' goes through a buffer of its own (:class:`ExchangeBuffers`) in
+                        one round (the *_XCHG_SMEM layouts: hand-built, free of bank conflicts), its write and its
+                        read on either side of a barrier the caller places
+    (3) orthonormalise  _orthonormalize: CholeskyQR (passes and pivot floors: leapquant.numerics) on the vectors held
+                        whole by every warp (:data:`WARP_VEC`): the Gram matrices are warp-local reduce-scatters over
+                        the lanes (:data:`_GRAM_ASM`), no barrier
+    (4) tokens          _store_tokens: u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool and to shared memory
+    (5) residual        _residual: E = S - q^T u on the tensor cores with exactly the stored tokens
+    (6) scales          _scale_k_partials, _scale_k, _scale_v_and_codes: s_k, s_v, reduce-scattered like the products
+    (7) codes           round_half_even(127 E / (s_k s_v)), stored as 16-byte vectors after one exchange through
+                        shared memory (_store_codes_and_reset)
+    (8) window reset    w = 0, pcum = 0, gbuf = 1; GDN: p = 1
+
+Phases (6)-(8), the item's tail, of item i run during item i + 1 (:func:`_flush_item`): beside its rebuild, P and Q,
+at the same barriers.
 
 Every value of the state and every sum is fp32; the tensor cores only see operands exact in their input type (or
 the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums, the rounding of
-1 / s_v (one ulp) and of 2^15 s_k / 127 (one ulp: _CODE_SCALE). Measured variants and what limits the kernel:
-bench/notes/triton.md (sessions 11-15).
+1 / s_v (one ulp) and of 2^15 s_k / 127 (one ulp: _CODE_SCALE). The measurements behind each choice and what limits
+the kernel: docs/design-triton.md.
 """
-from __future__ import annotations
-
+# (no ``from __future__ import annotations``: the aggregates' field annotations must be real types, which Triton
+# checks each field's value against)
 import math
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+# Gluon's named aggregates (Triton 3.6 exports no public name for them; Gluon's own modules import this one)
+from triton.language.core import _aggregate as aggregate
 
 from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
 from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, EPS, FP16_MAX, K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES,
@@ -47,8 +55,8 @@ from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, EPS, FP16_MAX, 
 
 assert R == 4 and V == 128 and K == 128 and L == 16, "the layouts below are written for a 128 x 128 state"
 
-#: warps of one program: the 128 x 128 fp32 state is 64 registers per thread (16 warps measured 20 % slower: every
-#: thread then still runs the replicated vector work; bench/notes/triton.md)
+#: warps of one program: the 128 x 128 fp32 state is 64 registers per thread (16 warps measured 31 % slower on the
+#: H200: every thread then still runs the replicated vector work; docs/design-triton.md)
 WARPS = 8
 
 _V = gl.constexpr(V)
@@ -88,24 +96,28 @@ _CODE_BYTES_ASM = gl.constexpr(
 _BYTE = gl.constexpr(0xFF)
 
 # ---- layouts (8 warps) ---------------------------------------------------------------------------------------------
+# Distributed layouts are named by what they hold (STATE, STATE_ROWS, WARP_VEC, ...), shared ones end in _SMEM.
 #: S and every [V, K] tensor: mma.m16n8 accumulators, warps as 2 row bands x 4 column bands. A thread holds rows
 #: 32 m + 16 wr + 8 h + grp (m < 4 repeats, wr its row band, h < 2 the halves of an mma tile, grp = lane / 4) and
 #: columns 32 n + 8 wc + 2 quad + j (n < 4 repeats, wc its column band, quad = lane % 4, j < 2)
 STATE = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8]))
-ROWS = gl.constexpr(gl.SliceLayout(1, STATE))      #: a V-vector broadcast along the rows of S (S x's operand x: COLS)
-COLS = gl.constexpr(gl.SliceLayout(0, STATE))      #: a K-vector broadcast along the columns of S
+#: a V-vector (one value per row of S) as the state layout slices it, broadcast along the rows of S
+STATE_ROWS = gl.constexpr(gl.SliceLayout(1, STATE))
+#: a K-vector (one value per column of S), broadcast along the columns of S
+STATE_COLS = gl.constexpr(gl.SliceLayout(0, STATE))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=STATE, k_width=2))   #: [V, 16] 16-bit operands
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=STATE, k_width=2))   #: [16, K] 16-bit operands
 #: a 128-vector (a column of P, Q, U) whole in every warp, 4 per lane: the orthonormalisation's reductions stay in a
 #: warp (shuffles, no barrier); the state's slice layouts would repeat that work on 16 times the registers
-VEC = gl.constexpr(gl.BlockedLayout([4], [32], [WARPS], [0]))
-VEC4 = gl.constexpr(gl.BlockedLayout([4, 2, 2], [32, 1, 1], [WARPS, 1, 1], [0, 1, 2]))  #: four VEC vectors [V, 2, 2]
+WARP_VEC = gl.constexpr(gl.BlockedLayout([4], [32], [WARPS], [0]))
+#: four WARP_VEC vectors stacked [V, 2, 2]
+WARP_VEC4 = gl.constexpr(gl.BlockedLayout([4, 2, 2], [32, 1, 1], [WARPS, 1, 1], [0, 1, 2]))
 #: the partials of four column sums [16, K, 2, 2] (or of one, [16, K]) as the reduce-scatter gathers them: 8 of a
 #: column's 16 partials per thread, two lanes per column; of row sums [V, 16, 2, 2] (or [V, 16]) alike
-COL_PARTIALS4 = gl.constexpr(gl.BlockedLayout([8, 1, 2, 2], [2, 16, 1, 1], [1, WARPS, 1, 1], [3, 2, 0, 1]))
-ROW_PARTIALS4 = gl.constexpr(gl.BlockedLayout([1, 8, 2, 2], [16, 2, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0]))
-COL_PARTIALS = gl.constexpr(gl.BlockedLayout([8, 1], [2, 16], [1, WARPS], [0, 1]))
-ROW_PARTIALS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [WARPS, 1], [1, 0]))
+COLSUM_PARTS4 = gl.constexpr(gl.BlockedLayout([8, 1, 2, 2], [2, 16, 1, 1], [1, WARPS, 1, 1], [3, 2, 0, 1]))
+ROWSUM_PARTS4 = gl.constexpr(gl.BlockedLayout([1, 8, 2, 2], [16, 2, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0]))
+COLSUM_PARTS = gl.constexpr(gl.BlockedLayout([8, 1], [2, 16], [1, WARPS], [0, 1]))
+ROWSUM_PARTS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [WARPS, 1], [1, 0]))
 #: [K, L] window tiles, transposed: half a column of the window (8 entries) in one thread, four warps the lower halves
 #: and four the upper ones, so that the decay products D_j are multiplications inside a thread and no warp repeats
 #: another's keys (a whole column per thread, warps 4-7 repeating 0-3, measured +1.3 % KDA, +2.9 % GDN)
@@ -118,48 +130,48 @@ TOKENS = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [WARPS // 2, 2], [1, 0])
 WORDS = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))    #: one 4-byte word per thread
 #: shared memory: plain row-major; the codes' 16-byte chunks XOR-swizzled by row, so that the state layout's reads
 #: down 8 rows (128 bytes apart) hit 8 different banks
-PLAIN1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+PLAIN1_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+PLAIN2_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
 #: the 16-bit mma operands read by ldmatrix (tokens, window values): 16-byte chunks XOR-swizzled by row, so that the
-#: 8 rows of an 8 x 8 matrix (rows 256 or 512 bytes apart) hit 8 different banks (plain rows: 8-way conflicts, 45 %
-#: of the kernel's shared-memory wavefronts in Nsight Compute at 9aae47d)
+#: 8 rows of an 8 x 8 matrix (rows 256 or 512 bytes apart) hit 8 different banks (plain rows ran at 8-way bank
+#: conflicts: measured 18 % slower on the H200, docs/design-triton.md)
 OPERAND_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
 
 
-#: the exchange of four row sums' partials ([V, 16, 2, 2] fp32, from the state layout to ROW_PARTIALS4) in one round
+#: the exchange of four row sums' partials ([V, 16, 2, 2] fp32, from the state layout to ROWSUM_PARTS4) in one round
 #: through its own buffer (Triton's convert_layout moved it in four rounds of two barriers). 16-byte vectors of the four
 #: sums; the vector index c is a linear map of the row v and partial p bits: c0 = v0, c1 = p0 ^ p3, c2 = p1 ^ v1 (the
 #: bank group, distinct within each 8-lane phase of the writes, which vary p0 p1 v0, and of the reads, which vary
 #: p3 v0 v1), then p3, v1, p2, v2..v6. Listed: the tensor index [v, p, 2, 2] of each offset bit
-ROW_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+ROWSUM4_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[0, 0, 0, 1], [0, 0, 1, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 9, 0, 0], [2, 2, 0, 0], [0, 4, 0, 0],
      [4, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0], [64, 0, 0, 0]]))
-#: P's four vectors [K, 2, 2] fp32 from VEC4 to the stacked COLS layout in one round (Triton's took two): vector index
-#: c0 = k2, c1 = k3 ^ k1, c2 = k4 (distinct within the writes' 8-lane phases, which vary k2 k3 k4, and within the
-#: reads', which vary k1 k2), then k1, k0, k5, k6. Listed: the tensor index [k, 2, 2] of each offset bit
-COLS_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+#: P's four vectors [K, 2, 2] fp32 from WARP_VEC4 to the stacked STATE_COLS layout in one round (Triton's took two):
+#: vector index c0 = k2, c1 = k3 ^ k1, c2 = k4 (distinct within the writes' 8-lane phases, which vary k2 k3 k4, and
+#: within the reads', which vary k1 k2), then k1, k0, k5, k6. Listed: the tensor index [k, 2, 2] of each offset bit
+STATE_COLS4_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[0, 0, 1], [0, 1, 0], [4, 0, 0], [8, 0, 0], [16, 0, 0], [10, 0, 0], [1, 0, 0], [32, 0, 0], [64, 0, 0]]))
-#: the partials of four column sums [16, K, 2, 2] fp32 (state layout -> COL_PARTIALS4) in one round: vector index
+#: the partials of four column sums [16, K, 2, 2] fp32 (state layout -> COLSUM_PARTS4) in one round: vector index
 #: c0 = k1, c1 = k2 ^ k0, c2 = p0 ^ p3 (writes' phases vary k1 k2 p0, reads' p3 k0 k1), then k0, p3, p1, p2, k3..k6
-COL_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+COLSUM4_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[0, 0, 0, 1], [0, 0, 1, 0], [0, 2, 0, 0], [0, 4, 0, 0], [1, 0, 0, 0], [0, 5, 0, 0], [9, 0, 0, 0], [2, 0, 0, 0],
      [4, 0, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0], [0, 64, 0, 0]]))
-#: four reduce-scattered sums [n, 2, 2] (an output per lane pair) to every warp (VEC4) in one round: vector index
+#: four reduce-scattered sums [n, 2, 2] (an output per lane pair) to every warp (WARP_VEC4) in one round: vector index
 #: c0 = n2 ^ n0, c1 = n3 ^ n1, c2 = n4 (writes vary n0 n1 in a phase, reads n2 n3 n4), then n0, n1, n5, n6
-VEC_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+SUMS4_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[0, 0, 1], [0, 1, 0], [4, 0, 0], [8, 0, 0], [16, 0, 0], [5, 0, 0], [10, 0, 0], [32, 0, 0], [64, 0, 0]]))
-#: Q's four vectors [V, 2, 2] from VEC4 to the stacked ROWS layout in one round: c0 = v2 ^ v0, c1 = v3, c2 = v4
-#: (writes vary v2 v3 v4, reads v0), then v0, v1, v5, v6
-ROWS_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+#: Q's four vectors [V, 2, 2] from WARP_VEC4 to the stacked STATE_ROWS layout in one round: c0 = v2 ^ v0, c1 = v3,
+#: c2 = v4 (writes vary v2 v3 v4, reads v0), then v0, v1, v5, v6
+STATE_ROWS4_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[0, 0, 1], [0, 1, 0], [4, 0, 0], [8, 0, 0], [16, 0, 0], [5, 0, 0], [2, 0, 0], [32, 0, 0], [64, 0, 0]]))
-#: the partials of one column sum [16, K] fp32 (state layout -> COL_PARTIALS) in one round, 4-byte words: bank bits
+#: the partials of one column sum [16, K] fp32 (state layout -> COLSUM_PARTS) in one round, 4-byte words: bank bits
 #: k1, k2, p0 ^ k0, p1 ^ k3, p2 ^ p3 (writes vary k1 k2 p0 p1 p2, reads p3 k0 k1 k2 k3), then k0, k3, p3, k4..k6
-COL1_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+COLSUM1_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [1, 1], [2, 8], [12, 0], [0, 16], [0, 32], [0, 64]]))
 #: of one row sum [V, 16]: bank bits v0, v1, v2, p0 ^ p3, p1 ^ v3 (writes vary p0 p1 v0 v1 v2, reads p3 v0..v3),
 #: then p3, v3, p2, v4..v6
-ROW1_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
+ROWSUM1_XCHG_SMEM = gl.constexpr(gl.SharedLinearLayout(
     [[1, 0], [2, 0], [4, 0], [0, 1], [0, 2], [0, 9], [8, 2], [0, 4], [16, 0], [32, 0], [64, 0]]))
 #: the window keys' bf16 parts [K, L] (a column of the window per thread, 2 x 16 bytes) read back transposed by
 #: ldmatrix as the mma's B operand: 16-byte chunks XOR-swizzled by row
@@ -177,6 +189,66 @@ def stacked4_layout(vector):
                                       block_bases=lift(vector.block_bases), shape=[vector.shape[0], 2, 2])
 
 
+# ---- the shared buffers, by name -------------------------------------------------------------------------------------
+@aggregate
+class StagedInputs:
+    """One item's inputs in shared memory (:func:`_stage_inputs` copies them): codes [V, K] int8 (CODES_SMEM), the
+    scales s_k | s_v [K + V] fp32, the tokens [16, K + V] fp16 (ranks R.. zero: the mma's k padding), the window's
+    kbuf [L, K] bf16, ubuf [L, V] bf16, gbuf [L, K] fp16 and w [L] fp32, and the gate's pcum [K] fp32 (KDA)."""
+    codes: gl.shared_memory_descriptor
+    scales: gl.shared_memory_descriptor
+    tokens: gl.shared_memory_descriptor
+    kbuf: gl.shared_memory_descriptor
+    ubuf: gl.shared_memory_descriptor
+    gbuf: gl.shared_memory_descriptor
+    w: gl.shared_memory_descriptor
+    pcum: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, codes, scales, tokens, kbuf, ubuf, gbuf, w, pcum):
+        self.codes = codes
+        self.scales = scales
+        self.tokens = tokens
+        self.kbuf = kbuf
+        self.ubuf = ubuf
+        self.gbuf = gbuf
+        self.w = w
+        self.pcum = pcum
+
+
+@aggregate
+class ExchangeBuffers:
+    """The exchanges' own buffers, each exchange in one round: the partials of four column sums [16, K, 2, 2]
+    (COLSUM4_XCHG_SMEM) and of four row sums [V, 16, 2, 2] (ROWSUM4_XCHG_SMEM); four sums to every warp [V, 2, 2]
+    (SUMS4_XCHG_SMEM); P's and Q's four vectors redistributed to STATE_COLS / STATE_ROWS [128, 2, 2]; the partials of
+    one column sum [16, K] and of one row sum [V, 16], and those sums [K], [V]; the window keys' bf16 parts [K, L]."""
+    colsum4: gl.shared_memory_descriptor
+    rowsum4: gl.shared_memory_descriptor
+    sums4: gl.shared_memory_descriptor
+    to_cols4: gl.shared_memory_descriptor
+    to_rows4: gl.shared_memory_descriptor
+    colsum1: gl.shared_memory_descriptor
+    rowsum1: gl.shared_memory_descriptor
+    kvec: gl.shared_memory_descriptor
+    vvec: gl.shared_memory_descriptor
+    keys_hi: gl.shared_memory_descriptor
+    keys_lo: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, colsum4, rowsum4, sums4, to_cols4, to_rows4, colsum1, rowsum1, kvec, vvec, keys_hi, keys_lo):
+        self.colsum4 = colsum4
+        self.rowsum4 = rowsum4
+        self.sums4 = sums4
+        self.to_cols4 = to_cols4
+        self.to_rows4 = to_rows4
+        self.colsum1 = colsum1
+        self.rowsum1 = rowsum1
+        self.kvec = kvec
+        self.vvec = vvec
+        self.keys_hi = keys_hi
+        self.keys_lo = keys_lo
+
+
 @gluon.jit
 def _add(a, b):
     return a + b
@@ -187,18 +259,13 @@ def _mul(a, b):
     return a * b
 
 
-@gluon.jit
-def _add10(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, a8 + b8, a9 + b9
-
-
-# ---- the ranking ---------------------------------------------------------------------------------------------------
+# ---- ranking -------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
               CHUNK: gl.constexpr, TW: gl.constexpr):
     """Rank the call's due programs in flag order (row, head) and write the code ``slot * H + head`` of each one whose
-    rank r is ``pid (mod G)`` to ``due[r]``; return their total. As flush._rank_due, with a [rows, HP] tile of TW
-    lanes along the heads (TW = min(HP, 32))."""
+    rank r is ``pid (mod G)`` to ``due[r]``; return their total. As the tl kernel's ranking, with a [rows, HP] tile of
+    TW lanes along the heads (TW = min(HP, 32))."""
     FLAGS: gl.constexpr = gl.BlockedLayout([1, HP // TW], [32 // TW, TW], [gl.num_warps(), 1], [1, 0])
     NROWS: gl.constexpr = CHUNK // HP
     heads = gl.arange(0, HP, layout=gl.SliceLayout(0, FLAGS))
@@ -225,7 +292,7 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: gl.constexpr, HP
     return total
 
 
-# ---- (0) the next item's inputs into shared memory ---------------------------------------------------------------
+# ---- staging: the next item's inputs into shared memory --------------------------------------------------------------
 @gluon.jit
 def _region(code, H, SS):
     """An item code slot * H + head (int64) -> (first fp32 word of its pool region, its row of the window tensors)."""
@@ -235,33 +302,34 @@ def _region(code, H, SS):
 
 
 @gluon.jit
-def _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, valid, H, SS,
-              IS_KDA: gl.constexpr):
-    """Start copying item ``code``'s old checkpoint, window and gate into the shared buffers (cp.async, one commit
-    group; 16-byte pieces where the data allows). Nothing is read where ``valid`` is false."""
-    codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
+def _stage_inputs(staged, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, valid, H,
+                  SS, IS_KDA: gl.constexpr):
+    """Start copying item ``code``'s old checkpoint, window and gate into ``staged`` (:class:`StagedInputs`; cp.async,
+    one commit group; 16-byte pieces where the data allows). Nothing is read where ``valid`` is false."""
     region, prog = _region(code, H, SS)
     cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
     ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
-    async_copy.async_copy_global_to_shared(codes_s, raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :],
+    async_copy.async_copy_global_to_shared(staged.codes,
+                                           raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :],
                                            mask=valid)
-    async_copy.async_copy_global_to_shared(sc_s, raw_f32 + region + _SK_WORD + gl.arange(0, _K + _V, layout=WORDS),
+    async_copy.async_copy_global_to_shared(staged.scales,
+                                           raw_f32 + region + _SK_WORD + gl.arange(0, _K + _V, layout=WORDS),
                                            mask=valid)
     # the token rows into rows 0..7 of the swizzled token buffer (whose rows split only at multiples of 8): ranks
     # R..7 masked, i.e. zero-filled by the copy itself
     tr = gl.arange(0, 2 * _R, layout=gl.SliceLayout(1, TOKENS))
     tc = gl.arange(0, _TOK_ROW, layout=gl.SliceLayout(0, TOKENS))
-    async_copy.async_copy_global_to_shared(tok_s.slice(0, 2 * _R), raw_f16 + region * 2 + _TOK_HALF
+    async_copy.async_copy_global_to_shared(staged.tokens.slice(0, 2 * _R), raw_f16 + region * 2 + _TOK_HALF
                                            + tr[:, None] * _TOK_ROW + tc[None, :], mask=valid & (tr[:, None] < _R))
     wl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
     wk = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
     window = gl.multiple_of(prog * (_L * _K), _L * _K) + wl[:, None] * _K + wk[None, :]
-    async_copy.async_copy_global_to_shared(kb_s, kbuf_ptr + window, mask=valid)
-    async_copy.async_copy_global_to_shared(ub_s, ubuf_ptr + window, mask=valid)
-    async_copy.async_copy_global_to_shared(w_s, w_ptr + prog * _L + gl.arange(0, _L, layout=WORDS), mask=valid)
+    async_copy.async_copy_global_to_shared(staged.kbuf, kbuf_ptr + window, mask=valid)
+    async_copy.async_copy_global_to_shared(staged.ubuf, ubuf_ptr + window, mask=valid)
+    async_copy.async_copy_global_to_shared(staged.w, w_ptr + prog * _L + gl.arange(0, _L, layout=WORDS), mask=valid)
     if IS_KDA:
-        async_copy.async_copy_global_to_shared(gb_s, gbuf_ptr + window, mask=valid)
-        async_copy.async_copy_global_to_shared(pc_s, gate_ptr + prog * _K + gl.arange(0, _K, layout=WORDS),
+        async_copy.async_copy_global_to_shared(staged.gbuf, gbuf_ptr + window, mask=valid)
+        async_copy.async_copy_global_to_shared(staged.pcum, gate_ptr + prog * _K + gl.arange(0, _K, layout=WORDS),
                                                mask=valid)
     async_copy.commit_group()
 
@@ -313,16 +381,15 @@ def _decay_products(g, top):
 
 
 @gluon.jit
-def _stage_keys(bufs, hi_s, lo_s, IS_KDA: gl.constexpr):
-    """The window keys w_j kbuf_j D_j [K, L] in fp32 from the shared buffers, split into bf16 hi + lo (hi = round(key),
+def _stage_keys(staged, hi_s, lo_s, IS_KDA: gl.constexpr):
+    """The window keys w_j kbuf_j D_j [K, L] in fp32 from the staged window, split into bf16 hi + lo (hi = round(key),
     lo = round(key - hi): 2^-17 relative; bf16 x bf16 products are exact in fp32) into ``hi_s`` / ``lo_s``: the
     rebuild's mma operand. Each warp makes half of a column's entries (:data:`WINDOW`)."""
-    codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
-    keys = kb_s.permute([1, 0]).load(WINDOW).to(gl.float32) * w_s.load(gl.SliceLayout(0, WINDOW))[None, :]
+    keys = staged.kbuf.permute([1, 0]).load(WINDOW).to(gl.float32) * staged.w.load(gl.SliceLayout(0, WINDOW))[None, :]
     if IS_KDA:
-        g = gl.reshape(gb_s.permute([1, 0]).load(WINDOW).to(gl.float32), [_K, 2, _L // 2])
+        g = gl.reshape(staged.gbuf.permute([1, 0]).load(WINDOW).to(gl.float32), [_K, 2, _L // 2])
         # the upper half's product, in every warp: the lower half's chain starts from it
-        upper = gb_s.slice(_L // 2, _L // 2).permute([1, 0]).load(WINDOW).to(gl.float32)
+        upper = staged.gbuf.slice(_L // 2, _L // 2).permute([1, 0]).load(WINDOW).to(gl.float32)
         p = gl.reduce(upper, 1, _mul)
         h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, g.type.layout)))
         p = gl.convert_layout(p, gl.SliceLayout(1, gl.SliceLayout(2, g.type.layout)), assert_trivial=True)
@@ -334,33 +401,32 @@ def _stage_keys(bufs, hi_s, lo_s, IS_KDA: gl.constexpr):
 
 
 @gluon.jit
-def _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
+def _rebuild(staged, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     """S [V, K] fp32 (STATE) = (codes s_k / 127 s_v + q^T u) * gate + ubuf^T keys, keys_j = w_j kbuf_j D_j, from the
-    shared buffers: the dequantisation on the CUDA cores, both rank updates on the tensor cores (the keys as bf16
+    staged inputs: the dequantisation on the CUDA cores, both rank updates on the tensor cores (the keys as bf16
     parts through hi_s / lo_s)."""
-    codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s = bufs
-    a = sc_s.slice(0, _K).load(COLS) * _CODE_SCALE
-    s_v = sc_s.slice(_K, _V).load(ROWS)
-    x = gl.inline_asm_elementwise(_CODE_BYTES_ASM, "=r,=r,r", [codes_s.load(STATE)], dtype=gl.float32, is_pure=True,
-                                  pack=2)
+    a = staged.scales.slice(0, _K).load(STATE_COLS) * _CODE_SCALE
+    s_v = staged.scales.slice(_K, _V).load(STATE_ROWS)
+    x = gl.inline_asm_elementwise(_CODE_BYTES_ASM, "=r,=r,r", [staged.codes.load(STATE)], dtype=gl.float32,
+                                  is_pure=True, pack=2)
     S = (x - _CODE_SHIFT) * a[None, :] * s_v[:, None]                           # codes s_k / 127 s_v
-    qT, u = _token_operands(tok_s)
+    qT, u = _token_operands(staged.tokens)
     S = mma_v2(qT, u, S)                        # fp16 x fp16 products are exact in the fp32 accumulator
     if IS_KDA:
-        S = S * gl.exp(pc_s.load(COLS))[None, :]
+        S = S * gl.exp(staged.pcum.load(STATE_COLS))[None, :]
     else:
         S = S * gl.load(gate_ptr + prog)
-    # the window: keys_j = w_j kbuf_j D_j as bf16 parts in hi_s / lo_s (staged one item ahead they measured -2.1 % for
-    # KDA in the unpipelined loop of 6bac089, +1.5 % beside the previous item's tail)
-    _stage_keys(bufs, hi_s, lo_s, IS_KDA)
+    # the window: keys_j = w_j kbuf_j D_j as bf16 parts in hi_s / lo_s, made here rather than one item ahead (ahead
+    # they measured 2.1 % faster for KDA without the tail overlap, 1.5 % slower beside the previous item's tail)
+    _stage_keys(staged, hi_s, lo_s, IS_KDA)
     gl.thread_barrier()                         # (both parts in one round: Triton's convert_layout took 3 + 4 barriers)
-    ubT = ub_s.permute([1, 0]).load(A_OP)
+    ubT = staged.ubuf.permute([1, 0]).load(A_OP)
     S = mma_v2(ubT, hi_s.permute([1, 0]).load(B_OP), S)
     S = mma_v2(ubT, lo_s.permute([1, 0]).load(B_OP), S)
     return S
 
 
-# ---- (2) the products S^T x, S x and the other reductions over S -----------------------------------------------
+# ---- (2) project: the products S^T x, S x (and the other reductions over S) ----------------------------------------
 @gluon.jit
 def _own_rows(T, IS_MAX: gl.constexpr):
     """[16, K]: each thread's sum (max) over its own 8 rows of T [V, K] (STATE) for its (row band, lane group);
@@ -387,19 +453,19 @@ def _own_columns(T, IS_MAX: gl.constexpr):
 @gluon.jit
 def _put4(a, b, c, d, xs):
     """Four tensors stacked into their exchange buffer ``xs`` in one round: the partials of four column sums [16, K]
-    or row sums [V, 16] (COL_XCHG_SMEM, ROW_XCHG_SMEM), or four VEC vectors to redistribute (COLS_XCHG_SMEM,
-    ROWS_XCHG_SMEM; read back by :func:`_spread_get`)."""
+    or row sums [V, 16] (COLSUM4_XCHG_SMEM, ROWSUM4_XCHG_SMEM), or four WARP_VEC vectors to redistribute
+    (STATE_COLS4_XCHG_SMEM, STATE_ROWS4_XCHG_SMEM; read back by :func:`_spread_get`)."""
     xs.store(gl.join(gl.join(a, b), gl.join(c, d)))
 
 
 @gluon.jit
 def _sum4(xs, vs, AXIS: gl.constexpr):
     """After a barrier: the four sums' partials read from ``xs`` by the threads that own an output (8 + 8 partials in
-    two lanes: a reduce-scatter), summed along AXIS and written to ``vs`` (VEC_XCHG_SMEM)."""
+    two lanes: a reduce-scatter), summed along AXIS and written to ``vs`` (SUMS4_XCHG_SMEM)."""
     if AXIS == 0:
-        four = xs.load(COL_PARTIALS4)
+        four = xs.load(COLSUM_PARTS4)
     else:
-        four = xs.load(ROW_PARTIALS4)
+        four = xs.load(ROWSUM_PARTS4)
     vs.store(gl.sum(four, AXIS))
 
 
@@ -414,33 +480,34 @@ def _split4(four, OUT: gl.constexpr):
 
 @gluon.jit
 def _get4(vs):
-    """After a barrier: the four sums of :func:`_sum4`, whole in every warp (four VEC vectors)."""
-    return _split4(vs.load(VEC4), VEC)
+    """After a barrier: the four sums of :func:`_sum4`, whole in every warp (four WARP_VEC vectors)."""
+    return _split4(vs.load(WARP_VEC4), WARP_VEC)
 
 
 @gluon.jit
-def _column_partials(S, x0, x1, x2, x3, xs):
-    """The partials of S^T x for four V-vectors x (ROWS) into ``xs``: each thread's own 8 rows, one FMA chain each."""
+def _project_t_partials(S, x0, x1, x2, x3, xs):
+    """The partials of S^T x for four V-vectors x (STATE_ROWS) into ``xs``: each thread's own 8 rows, one FMA chain
+    each."""
     _put4(_own_rows(S * x0[:, None], False), _own_rows(S * x1[:, None], False), _own_rows(S * x2[:, None], False),
           _own_rows(S * x3[:, None], False), xs)
 
 
 @gluon.jit
-def _row_partials(S, x0, x1, x2, x3, xs):
-    """The partials of S x for four K-vectors x (COLS) into ``xs``."""
-    _put4(_own_columns(S * x0[None, :], False), _own_columns(S * x1[None, :], False),
-          _own_columns(S * x2[None, :], False), _own_columns(S * x3[None, :], False), xs)
+def _project_partials(S, y0, y1, y2, y3, xs):
+    """The partials of S y for four K-vectors y (STATE_COLS) into ``xs``."""
+    _put4(_own_columns(S * y0[None, :], False), _own_columns(S * y1[None, :], False),
+          _own_columns(S * y2[None, :], False), _own_columns(S * y3[None, :], False), xs)
 
 
 @gluon.jit
 def _spread_get(xs, OUT: gl.constexpr):
-    """After a barrier: four VEC vectors written to ``xs`` by :func:`_put4` read back in layout OUT (ROWS or COLS):
-    one exchange for four redistributions."""
+    """After a barrier: four WARP_VEC vectors written to ``xs`` by :func:`_put4` read back in layout OUT (STATE_ROWS
+    or STATE_COLS): one exchange for four redistributions."""
     OUT4: gl.constexpr = stacked4_layout(gl.to_linear_layout(OUT, [_V]))
     return _split4(xs.load(OUT4), OUT)
 
 
-# ---- (3) orthonormalisation --------------------------------------------------------------------------------------
+# ---- (3) orthonormalise --------------------------------------------------------------------------------------------
 @gluon.jit
 def _inv_pivot(d, g):
     """1 / sqrt of a Cholesky pivot d floored at REL_FLOOR * G_jj and at ABS_FLOOR (one MUFU.RSQ, as the tl kernel)."""
@@ -482,7 +549,7 @@ _GRAM_ASM = gl.constexpr(
 
 @gluon.jit
 def _gram(x0, x1, x2, x3):
-    """G = X^T X (ten entries, lower triangle by rows) of four VEC vectors: each lane's own 4 rows summed in the
+    """G = X^T X (ten entries, lower triangle by rows) of four WARP_VEC vectors: each lane's own 4 rows summed in the
     thread, then :data:`_GRAM_ASM` over the lanes (every warp holds the vectors whole: no barrier). The entries come
     as [32] tensors (a lane's one element each, all lanes equal) in the layout of the vectors' [32, 4] view."""
     x0 = gl.reshape(x0, [32, 4])
@@ -498,7 +565,7 @@ def _gram(x0, x1, x2, x3):
 
 @gluon.jit
 def _cholqr(x0, x1, x2, x3):
-    """One CholeskyQR pass over four VEC vectors: G = X^T X (:func:`_gram`, warp-local), its Cholesky factor
+    """One CholeskyQR pass over four WARP_VEC vectors: G = X^T X (:func:`_gram`, warp-local), its Cholesky factor
     (floored pivots; the same arithmetic in every lane), X L^-T by forward substitution. A zero column comes out
     zero."""
     g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _gram(x0, x1, x2, x3)
@@ -520,10 +587,10 @@ def _cholqr(x0, x1, x2, x3):
     y1 = (x1 - l10[:, None] * y0) * i11[:, None]
     y2 = (x2 - l20[:, None] * y0 - l21[:, None] * y1) * i22[:, None]
     y3 = (x3 - l30[:, None] * y0 - l31[:, None] * y1 - l32[:, None] * y2) * i33[:, None]
-    return (gl.convert_layout(gl.reshape(y0, [_V]), VEC, assert_trivial=True),
-            gl.convert_layout(gl.reshape(y1, [_V]), VEC, assert_trivial=True),
-            gl.convert_layout(gl.reshape(y2, [_V]), VEC, assert_trivial=True),
-            gl.convert_layout(gl.reshape(y3, [_V]), VEC, assert_trivial=True))
+    return (gl.convert_layout(gl.reshape(y0, [_V]), WARP_VEC, assert_trivial=True),
+            gl.convert_layout(gl.reshape(y1, [_V]), WARP_VEC, assert_trivial=True),
+            gl.convert_layout(gl.reshape(y2, [_V]), WARP_VEC, assert_trivial=True),
+            gl.convert_layout(gl.reshape(y3, [_V]), WARP_VEC, assert_trivial=True))
 
 
 @gluon.jit
@@ -538,12 +605,13 @@ def _orthonormalize(c0, c1, c2, c3, PASSES: gl.constexpr):
 @gluon.jit
 def _store_tokens(tok, new_s, U4, Q4):
     """u = fp16(clamp(U^T)), q = fp16(Q^T) from U, Q stacked [V, 2, 2] (rank i + 2 j at [:, i, j], as two joins of
-    VEC vectors build them) to the pool's token rows and to ``new_s`` [16, K + V] fp16 (rows 0..7; 8..15 stay zero)."""
-    u16 = gl.convert_layout(gl.minimum(gl.maximum(U4, -_FP16_MAX), _FP16_MAX).to(gl.float16), VEC4)
-    q16 = gl.convert_layout(Q4.to(gl.float16), VEC4)
-    v = gl.arange(0, _V, layout=gl.SliceLayout(1, gl.SliceLayout(2, VEC4)))
-    i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, VEC4)))
-    j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, VEC4)))
+    WARP_VEC vectors build them) to the pool's token rows and to ``new_s`` [16, K + V] fp16 (rows 0..7; 8..15 stay
+    zero)."""
+    u16 = gl.convert_layout(gl.minimum(gl.maximum(U4, -_FP16_MAX), _FP16_MAX).to(gl.float16), WARP_VEC4)
+    q16 = gl.convert_layout(Q4.to(gl.float16), WARP_VEC4)
+    v = gl.arange(0, _V, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_VEC4)))
+    i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_VEC4)))
+    j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, WARP_VEC4)))
     at = tok + (i[None, :, None] + 2 * j[None, None, :]) * _TOK_ROW + v[:, None, None]
     gl.store(at, u16)
     gl.store(at + _K, q16)
@@ -557,33 +625,42 @@ def _store_tokens(tok, new_s, U4, Q4):
     new_s.slice(0, 2 * _R).slice(_K, _V, dim=1).store(q8)
 
 
-# ---- (6) - (8) an item's tail: scales, codes, window reset -------------------------------------------------------
+# ---- (5) residual --------------------------------------------------------------------------------------------------
+@gluon.jit
+def _residual(S, new_s):
+    """E = S - q^T u [V, K] (STATE) on the tensor cores, with exactly the stored fp16 tokens (their mma operands read
+    back from ``new_s``, after a barrier the caller places)."""
+    qT, u = _token_operands(new_s)
+    return mma_v2(-qT, u, S)
+
+
+# ---- (6) scales, (7) codes, (8) window reset: an item's tail ---------------------------------------------------------
 # Four exchanges, so four barriers: _flush_item runs them for the previous item at barriers of its own (loads first,
 # then arithmetic, then stores: ptxas keeps shared-memory accesses it cannot tell apart in program order, so a store
 # of one item written before a load of the other would serialise their latencies); _flush_tail for the last item.
 @gluon.jit
-def _colsum_partials(E, col1_xs):
-    """The partials of sum_v |E| per column (E [V, K], STATE) into ``col1_xs`` (COL1_XCHG_SMEM)."""
-    col1_xs.store(_own_rows(gl.abs(E), False))
+def _scale_k_partials(E, colsum1_xs):
+    """The partials of sum_v |E| per column (E [V, K], STATE) into ``colsum1_xs`` (COLSUM1_XCHG_SMEM)."""
+    colsum1_xs.store(_own_rows(gl.abs(E), False))
 
 
 @gluon.jit
-def _column_scales(E, colsum, row1_xs, s_k_ptr, valid):
-    """From the column sums of |E| (COLS): s_k = max(sqrt(mean_v |E|), eps) by one rsqrt (m * rsqrt(m) is sqrt(m) to
-    ~2 ulp; m floored at eps^2 first, so a zero column gets s_k = eps) stored to ``s_k_ptr`` [K] where ``valid``;
-    returns x = E / s_k [V, K] (STATE) and writes the partials of max_k |x| per row into ``row1_xs``."""
+def _scale_k(E, colsum, rowsum1_xs, s_k_ptr, valid):
+    """From the column sums of |E| (STATE_COLS): s_k = max(sqrt(mean_v |E|), eps) by one rsqrt (m * rsqrt(m) is
+    sqrt(m) to ~2 ulp; m floored at eps^2 first, so a zero column gets s_k = eps) stored to ``s_k_ptr`` [K] where
+    ``valid``; returns x = E / s_k [V, K] (STATE) and writes the partials of max_k |x| per row into ``rowsum1_xs``."""
     m = gl.maximum(colsum * (1.0 / _V), _EPS * _EPS)
     inv_sk = gl.rsqrt(m)
-    gl.store(s_k_ptr + gl.arange(0, _K, layout=COLS), gl.maximum(m * inv_sk, _EPS), mask=valid)
+    gl.store(s_k_ptr + gl.arange(0, _K, layout=STATE_COLS), gl.maximum(m * inv_sk, _EPS), mask=valid)
     x = E * inv_sk[None, :]
-    row1_xs.store(_own_columns(gl.abs(x), True))
+    rowsum1_xs.store(_own_columns(gl.abs(x), True))
     return x
 
 
 @gluon.jit
-def _code_bytes(x, rowmax):
-    """From max_k |x| per row (ROWS): s_v = max(max_k |x|, eps) and the codes round_half_even(127 x / s_v) (|x| <= s_v:
-    inside [-127, 127] without a clamp, 1 / s_v's rounding included) as bytes [V, K] (STATE)."""
+def _scale_v_and_codes(x, rowmax):
+    """From max_k |x| per row (STATE_ROWS): s_v = max(max_k |x|, eps) and the codes round_half_even(127 x / s_v)
+    (|x| <= s_v: inside [-127, 127] without a clamp, 1 / s_v's rounding included) as bytes [V, K] (STATE)."""
     s_v = gl.maximum(rowmax, _EPS)
     # 1 / s_v to one ulp in two instructions (s_v >= eps is a normal number); fp32 division took ~9 each
     inv = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s_v], dtype=gl.float32, is_pure=True,
@@ -598,11 +675,12 @@ def _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_pt
     """s_v and the codes to the pool region, the codes as 16-byte vectors after one exchange through shared memory
     (the state layout's 2-byte pieces were 32 stores per thread, and the store queue throttled the end of every
     item); then the window reset (hcnt stays L: "flushed, empty"). Nothing is written where ``valid`` is false."""
-    gl.store(raw_f32 + region + _SK_WORD + _K + gl.arange(0, _V, layout=ROWS), s_v, mask=valid)
+    gl.store(raw_f32 + region + _SK_WORD + _K + gl.arange(0, _V, layout=STATE_ROWS), s_v, mask=valid)
     codes = gl.convert_layout(codes, BYTES)
     cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
     ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
     gl.store(raw_u8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :], codes, mask=valid)
+    # (8) window reset
     gl.store(w_ptr + prog * _L + gl.arange(0, _L, layout=WORDS), gl.zeros([_L], gl.float32, layout=WORDS),
              mask=valid)
     if IS_KDA:
@@ -617,89 +695,86 @@ def _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_pt
 
 
 @gluon.jit
-def _flush_tail(E, xbufs, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA: gl.constexpr):
-    """The last item's tail on its own (its column partials already written by :func:`_flush_item`)."""
+def _flush_tail(E, xb, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA: gl.constexpr):
+    """The last item's tail on its own (its column partials already written by :func:`_flush_item`); ``xb``:
+    :class:`ExchangeBuffers`."""
     region, prog = _region(code, H, SS)
-    col_xs, row_xs, vec_xs, cols_xs, rows_xs, col1_xs, row1_xs, kvec_xs, vvec_xs, hi_s, lo_s = xbufs
     gl.thread_barrier()
-    kvec_xs.store(gl.sum(col1_xs.load(COL_PARTIALS), 0))
+    xb.kvec.store(gl.sum(xb.colsum1.load(COLSUM_PARTS), 0))
     gl.thread_barrier()
-    x = _column_scales(E, kvec_xs.load(COLS), row1_xs, raw_f32 + region + _SK_WORD, True)
+    x = _scale_k(E, xb.kvec.load(STATE_COLS), xb.rowsum1, raw_f32 + region + _SK_WORD, True)
     gl.thread_barrier()
-    vvec_xs.store(gl.max(row1_xs.load(ROW_PARTIALS), 1))
+    xb.vvec.store(gl.max(xb.rowsum1.load(ROWSUM_PARTS), 1))
     gl.thread_barrier()
-    s_v, codes = _code_bytes(x, vvec_xs.load(ROWS))
+    s_v, codes = _scale_v_and_codes(x, xb.vvec.load(STATE_ROWS))
     _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region, prog, True, IS_KDA)
 
 
-# ---- one item, top-down, beside the previous item's tail ---------------------------------------------------------
+# ---- one item, phase by phase, beside the previous item's tail ---------------------------------------------------
 @gluon.jit
-def _flush_item(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
+def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
                 gbuf_ptr, code, code_next, has_next, E_prev, code_prev, has_prev, H, SS, IS_KDA: gl.constexpr):
-    """Flush item ``code`` (its inputs already in the shared buffers ``bufs``) up to its residual E [V, K] (STATE),
-    returned with the partials of its first scale written (the next call or :func:`_flush_tail` finishes it), and
-    start copying ``code_next``'s inputs as soon as the buffers are read. Beside its rebuild, P and Q it finishes the
-    previous item ``code_prev`` from its residual ``E_prev`` (stores only where ``has_prev``): the two items share
-    their barriers, and each one's exchanges and reductions fill the other's waits - one 8-warp program per SM has no
-    other warps to hide them (-6.0 % all due for KDA, -6.6 % for GDN at batch 256 against the unpipelined loop in one
-    call; bench/notes/triton.md, session 14)."""
+    """Flush item ``code`` (its inputs already in ``staged``, :class:`StagedInputs`) up to its residual E [V, K]
+    (STATE), returned with the partials of its first scale written (the next call or :func:`_flush_tail` finishes
+    it), and start copying ``code_next``'s inputs as soon as the buffers are read. Beside its rebuild, P and Q it
+    finishes the previous item ``code_prev`` from its residual ``E_prev`` (stores only where ``has_prev``): the two
+    items share their barriers (``xb``: :class:`ExchangeBuffers`), and each one's exchanges and reductions fill the
+    other's waits - one 8-warp program per SM has no other warps to hide them (measured 6.0 % faster all due for KDA,
+    6.6 % for GDN at batch 256 on the H200 than the same loop without the overlap; docs/design-triton.md)."""
     region, prog = _region(code, H, SS)
     region_prev, prog_prev = _region(code_prev, H, SS)
-    col_xs, row_xs, vec_xs, cols_xs, rows_xs, col1_xs, row1_xs, kvec_xs, vvec_xs, hi_s, lo_s = xbufs
 
-    # (1) rebuild, from the shared buffers, which then take the next item's copies | previous: column sums of |E|
-    part = col1_xs.load(COL_PARTIALS)
-    S = _rebuild(bufs, hi_s, lo_s, gate_ptr, prog, IS_KDA)
-    kvec_xs.store(gl.sum(part, 0))
+    # (1) rebuild, from the staged inputs, which then take the next item's copies | previous: column sums of |E|
+    part = xb.colsum1.load(COLSUM_PARTS)
+    S = _rebuild(staged, xb.keys_hi, xb.keys_lo, gate_ptr, prog, IS_KDA)
+    xb.kvec.store(gl.sum(part, 0))
     gl.thread_barrier()
-    _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code_next, has_next, H,
-              SS, IS_KDA)
+    _stage_inputs(staged, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code_next,
+                  has_next, H, SS, IS_KDA)
 
-    # (2), (3) one subspace iteration from q0: P = orth(S^T q0) (one CholeskyQR pass), Q = orth(S P), U = S^T Q
-    #     | previous: s_k, x = E / s_k, the row maxima of |x|, s_v and the codes
-    colsum = kvec_xs.load(COLS)
-    _column_partials(S, q0_s.slice(0, _V).load(ROWS), q0_s.slice(_V, _V).load(ROWS), q0_s.slice(2 * _V, _V).load(ROWS),
-                     q0_s.slice(3 * _V, _V).load(ROWS), col_xs)
-    x_prev = _column_scales(E_prev, colsum, row1_xs, raw_f32 + region_prev + _SK_WORD, has_prev)
+    # (2) project, (3) orthonormalise: one subspace iteration from q0, P = orth(S^T q0), Q = orth(S P), U = S^T Q
+    #     | previous: (6) s_k, x = E / s_k, the row maxima of |x|, s_v and (7) the codes, (8) its window reset
+    colsum = xb.kvec.load(STATE_COLS)
+    _project_t_partials(S, q0_s.slice(0, _V).load(STATE_ROWS), q0_s.slice(_V, _V).load(STATE_ROWS),
+                        q0_s.slice(2 * _V, _V).load(STATE_ROWS), q0_s.slice(3 * _V, _V).load(STATE_ROWS), xb.colsum4)
+    x_prev = _scale_k(E_prev, colsum, xb.rowsum1, raw_f32 + region_prev + _SK_WORD, has_prev)
     gl.thread_barrier()
-    four = col_xs.load(COL_PARTIALS4)
-    part = row1_xs.load(ROW_PARTIALS)
-    vec_xs.store(gl.sum(four, 0))
-    vvec_xs.store(gl.max(part, 1))
+    four = xb.colsum4.load(COLSUM_PARTS4)
+    part = xb.rowsum1.load(ROWSUM_PARTS)
+    xb.sums4.store(gl.sum(four, 0))
+    xb.vvec.store(gl.max(part, 1))
     gl.thread_barrier()
-    p0, p1, p2, p3 = _get4(vec_xs)
+    p0, p1, p2, p3 = _get4(xb.sums4)
     p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, _P_PASSES)
-    _put4(p0, p1, p2, p3, cols_xs)
+    _put4(p0, p1, p2, p3, xb.to_cols4)
     gl.thread_barrier()
-    p0, p1, p2, p3 = _spread_get(cols_xs, COLS)
-    _row_partials(S, p0, p1, p2, p3, row_xs)
+    p0, p1, p2, p3 = _spread_get(xb.to_cols4, STATE_COLS)
+    _project_partials(S, p0, p1, p2, p3, xb.rowsum4)
     gl.thread_barrier()
-    _sum4(row_xs, vec_xs, 1)
+    _sum4(xb.rowsum4, xb.sums4, 1)
     gl.thread_barrier()
-    c0, c1, c2, c3 = _get4(vec_xs)
-    rowmax = vvec_xs.load(ROWS)
+    c0, c1, c2, c3 = _get4(xb.sums4)
+    rowmax = xb.vvec.load(STATE_ROWS)
     c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, _Q_PASSES)     # (a latency chain: the codes' arithmetic fills it)
-    s_v_prev, codes_prev = _code_bytes(x_prev, rowmax)
-    _put4(c0, c1, c2, c3, rows_xs)
+    s_v_prev, codes_prev = _scale_v_and_codes(x_prev, rowmax)
+    _put4(c0, c1, c2, c3, xb.to_rows4)
     _store_codes_and_reset(s_v_prev, codes_prev, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region_prev, prog_prev,
                            has_prev, IS_KDA)
     gl.thread_barrier()
-    r0, r1, r2, r3 = _spread_get(rows_xs, ROWS)
-    _column_partials(S, r0, r1, r2, r3, col_xs)
+    r0, r1, r2, r3 = _spread_get(xb.to_rows4, STATE_ROWS)
+    _project_t_partials(S, r0, r1, r2, r3, xb.colsum4)
     gl.thread_barrier()
-    _sum4(col_xs, vec_xs, 0)
+    _sum4(xb.colsum4, xb.sums4, 0)
     gl.thread_barrier()
-    U0, U1, U2, U3 = _get4(vec_xs)
+    U0, U1, U2, U3 = _get4(xb.sums4)
 
-    # (4) tokens; (5) the residual E = S - q^T u with exactly the stored fp16 tokens, on the tensor cores (their
-    #     operands read back from shared memory after a barrier)
+    # (4) tokens; (5) residual, with exactly the stored tokens (read back from shared memory after a barrier)
     _store_tokens(raw_f16 + region * 2 + _TOK_HALF, new_s, gl.join(gl.join(U0, U1), gl.join(U2, U3)),
                   gl.join(gl.join(c0, c1), gl.join(c2, c3)))
     gl.thread_barrier()
-    qT, u = _token_operands(new_s)
-    E = mma_v2(-qT, u, S)
-    # (6) the tail's first step, read after the next barrier (the next item's or _flush_tail's)
-    _colsum_partials(E, col1_xs)
+    E = _residual(S, new_s)
+    # (6) the first step of the scales, read after the next barrier (the next item's or _flush_tail's)
+    _scale_k_partials(E, xb.colsum1)
     return E
 
 
@@ -709,54 +784,50 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
               due_ptr, N, num_slots, SS, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
               IS_KDA: gl.constexpr, CHUNK: gl.constexpr, TW: gl.constexpr):
     """Persistent program ``pid`` of ``G`` (8 warps): ranks the due programs, then flushes its items pid, pid + G,
-    ..., each item's inputs copied into shared memory while the previous one computes. The arguments of
-    flush._flush_due, plus TW (lanes along the heads in the ranking: min(HP, 32))."""
+    ..., each item's inputs copied into shared memory while the previous one computes. The arguments of the tl
+    kernel (tl_kernel._flush_due), plus TW (lanes along the heads in the ranking: min(HP, 32))."""
     pid = gl.program_id(0)
     total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK, TW)
 
-    # one item's inputs: codes, s_k | s_v, tokens [16, K + V] (ranks R.. zero: the mma's k padding), kbuf, ubuf,
-    # gbuf, w, pcum; the new tokens (flat, ranks R.. zero); q0 column by column (q0_s[r V + v] = q0[v, r])
-    codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM)
-    sc_s = gl.allocate_shared_memory(gl.float32, [_K + _V], PLAIN1)
-    tok_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], OPERAND_SMEM)
-    kb_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _K], PLAIN2)
-    ub_s = gl.allocate_shared_memory(gl.bfloat16, [_L, _V], OPERAND_SMEM)
-    gb_s = gl.allocate_shared_memory(gl.float16, [_L, _K], PLAIN2)
-    w_s = gl.allocate_shared_memory(gl.float32, [_L], PLAIN1)
-    pc_s = gl.allocate_shared_memory(gl.float32, [_K], PLAIN1)
+    # one item's inputs (StagedInputs); the new tokens (flat, ranks R.. zero); q0 column by column
+    # (q0_s[r V + v] = q0[v, r]); the exchanges' own buffers (ExchangeBuffers)
+    staged = StagedInputs(gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM),
+                          gl.allocate_shared_memory(gl.float32, [_K + _V], PLAIN1_SMEM),
+                          gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], OPERAND_SMEM),
+                          gl.allocate_shared_memory(gl.bfloat16, [_L, _K], PLAIN2_SMEM),
+                          gl.allocate_shared_memory(gl.bfloat16, [_L, _V], OPERAND_SMEM),
+                          gl.allocate_shared_memory(gl.float16, [_L, _K], PLAIN2_SMEM),
+                          gl.allocate_shared_memory(gl.float32, [_L], PLAIN1_SMEM),
+                          gl.allocate_shared_memory(gl.float32, [_K], PLAIN1_SMEM))
     new_s = gl.allocate_shared_memory(gl.float16, [_RPAD, _TOK_ROW], OPERAND_SMEM)
-    q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1)
-    bufs = (codes_s, sc_s, tok_s, kb_s, ub_s, gb_s, w_s, pc_s)
-    # the exchanges' own buffers (each exchange in one round): the partials of four column / row sums, four sums to
-    # every warp, P's and Q's redistributions, the partials of one column / row sum and its result, the window keys'
-    # bf16 parts
-    xbufs = (gl.allocate_shared_memory(gl.float32, [16, _K, 2, 2], COL_XCHG_SMEM),
-             gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM),
-             gl.allocate_shared_memory(gl.float32, [_V, 2, 2], VEC_XCHG_SMEM),
-             gl.allocate_shared_memory(gl.float32, [_K, 2, 2], COLS_XCHG_SMEM),
-             gl.allocate_shared_memory(gl.float32, [_V, 2, 2], ROWS_XCHG_SMEM),
-             gl.allocate_shared_memory(gl.float32, [16, _K], COL1_XCHG_SMEM),
-             gl.allocate_shared_memory(gl.float32, [_V, 16], ROW1_XCHG_SMEM),
-             gl.allocate_shared_memory(gl.float32, [_K], PLAIN1),
-             gl.allocate_shared_memory(gl.float32, [_V], PLAIN1),
-             gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
-             gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM))
+    q0_s = gl.allocate_shared_memory(gl.float32, [_R * _V], PLAIN1_SMEM)
+    xb = ExchangeBuffers(gl.allocate_shared_memory(gl.float32, [16, _K, 2, 2], COLSUM4_XCHG_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROWSUM4_XCHG_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [_V, 2, 2], SUMS4_XCHG_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [_K, 2, 2], STATE_COLS4_XCHG_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [_V, 2, 2], STATE_ROWS4_XCHG_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [16, _K], COLSUM1_XCHG_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [_V, 16], ROWSUM1_XCHG_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [_K], PLAIN1_SMEM),
+                         gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM),
+                         gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
+                         gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM))
     raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
 
     t = pid
     if t < total:                                # (a program without items exits after the ranking)
         code = gl.load(due_ptr + t).to(gl.int64)
-        _prefetch(bufs, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, t < total, H,
-                  SS, IS_KDA)
+        _stage_inputs(staged, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code,
+                      t < total, H, SS, IS_KDA)
         # while the first copies fly: the zero padding and q0
-        tok_s.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
+        staged.tokens.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
         new_s.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
         qi = gl.arange(0, _R * _V, layout=WORDS)
         q0_s.store(gl.load(q0_ptr + (qi % _V) * _R + qi // _V))
         # one loop body for every item: the first one finishes a zero "previous item" with its stores masked (a
         # separate first-item copy of the body measured +18 % at 1/16 due: its code is fetched cold)
         E = gl.zeros([_V, _K], gl.float32, layout=STATE)
-        _colsum_partials(E, xbufs[5])
+        _scale_k_partials(E, xb.colsum1)
         code_prev = code + 0                     # (a value of its own: Triton carries a loop variable only if the
         #                                          body changes its handle, which `code_prev = code` would not)
         while t < total:
@@ -764,112 +835,11 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
             code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
             async_copy.wait_group(0)
             gl.thread_barrier()                  # this item's copies (every thread's) landed and are visible
-            E = _flush_item(bufs, xbufs, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr,
+            E = _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr,
                             gate_ptr, gbuf_ptr, code, code_next, t_next < total, E, code_prev, t > pid, H, SS,
                             IS_KDA)
             if t_next >= total:                  # the last item's tail now, with nothing beside it
-                _flush_tail(E, xbufs, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA)
+                _flush_tail(E, xb, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA)
             code_prev = code
             code = code_next
             t = t_next
-
-
-def compile_static(capability: int, gate: str = "kda", num_heads: int = 32, programs: int = 132):
-    """Compile :func:`flush_due` for compute capability ``capability`` (80, 90, 100, ...) without a GPU (Triton's
-    bundled ptxas): the CI check that the kernel builds for each target, and a way to read its SASS
-    (``.asm["sass"]``) or cubin ahead of time. Returns Triton's compiled-kernel object."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    hp = triton.next_power_of_2(num_heads)
-    kda = gate == "kda"
-    sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
-           "w_ptr": "*fp32", "gate_ptr": "*fp32", "gbuf_ptr": "*fp16" if kda else "*fp32", "q0_ptr": "*fp32",
-           "idx_ptr": "*i32", "hcnt_ptr": "*i32", "due_ptr": "*i32", "N": "i32", "num_slots": "i32", "SS": "i32",
-           "H": "constexpr", "HP": "constexpr", "G": "constexpr", "IS_KDA": "constexpr", "CHUNK": "constexpr",
-           "TW": "constexpr"}
-    from .flush import CHUNK
-    const = {"H": num_heads, "HP": hp, "G": programs, "IS_KDA": kda, "CHUNK": CHUNK, "TW": min(hp, 32)}
-    names = list(sig)
-    # the launch's specialisation: 16-byte aligned pool and window pointers (q0 and idx are not specialised)
-    aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") and n not in ("q0_ptr", "idx_ptr")]
-    src = GluonASTSource(fn=flush_due, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=WARPS, num_stages=1))
-
-
-@gluon.jit
-def _bank_report(name: gl.constexpr, x_type: gl.constexpr, buf):
-    gl.static_print("leapquant-bank", name, gl.bank_conflicts(x_type, buf.type))
-
-
-@gluon.jit
-def _exchange_probe(out):
-    """Prints, at compile time, the bank conflicts (gl.bank_conflicts: excess wavefronts per access) of every
-    one-round exchange's writes and reads in its shared layout; run by :func:`exchange_bank_conflicts`."""
-    S = gl.zeros([_V, _K], gl.float32, layout=STATE)
-    by_rows = _own_rows(S, False)
-    by_cols = _own_columns(S, False)
-    col4 = gl.join(gl.join(by_rows, by_rows), gl.join(by_rows, by_rows))
-    row4 = gl.join(gl.join(by_cols, by_cols), gl.join(by_cols, by_cols))
-    buf = gl.allocate_shared_memory(gl.float32, [16, _K, 2, 2], COL_XCHG_SMEM)
-    _bank_report("col4-write", col4.type, buf)
-    _bank_report("col4-read", gl.distributed_type(gl.float32, [16, _K, 2, 2], COL_PARTIALS4), buf)
-    buf = gl.allocate_shared_memory(gl.float32, [_V, 16, 2, 2], ROW_XCHG_SMEM)
-    _bank_report("row4-write", row4.type, buf)
-    _bank_report("row4-read", gl.distributed_type(gl.float32, [_V, 16, 2, 2], ROW_PARTIALS4), buf)
-    buf = gl.allocate_shared_memory(gl.float32, [_V, 2, 2], VEC_XCHG_SMEM)
-    _bank_report("vec-write-cols", gl.distributed_type(gl.float32, [_K, 2, 2], gl.SliceLayout(0, COL_PARTIALS4)), buf)
-    _bank_report("vec-write-rows", gl.distributed_type(gl.float32, [_V, 2, 2], gl.SliceLayout(1, ROW_PARTIALS4)), buf)
-    _bank_report("vec-read", gl.distributed_type(gl.float32, [_V, 2, 2], VEC4), buf)
-    COLS4: gl.constexpr = stacked4_layout(gl.to_linear_layout(COLS, [_V]))
-    ROWS4: gl.constexpr = stacked4_layout(gl.to_linear_layout(ROWS, [_V]))
-    buf = gl.allocate_shared_memory(gl.float32, [_K, 2, 2], COLS_XCHG_SMEM)
-    _bank_report("cols-write", gl.distributed_type(gl.float32, [_K, 2, 2], VEC4), buf)
-    _bank_report("cols-read", gl.distributed_type(gl.float32, [_K, 2, 2], COLS4), buf)
-    buf = gl.allocate_shared_memory(gl.float32, [_V, 2, 2], ROWS_XCHG_SMEM)
-    _bank_report("rows-write", gl.distributed_type(gl.float32, [_V, 2, 2], VEC4), buf)
-    _bank_report("rows-read", gl.distributed_type(gl.float32, [_V, 2, 2], ROWS4), buf)
-    buf = gl.allocate_shared_memory(gl.float32, [16, _K], COL1_XCHG_SMEM)
-    _bank_report("col1-write", by_rows.type, buf)
-    _bank_report("col1-read", gl.distributed_type(gl.float32, [16, _K], COL_PARTIALS), buf)
-    buf = gl.allocate_shared_memory(gl.float32, [_V, 16], ROW1_XCHG_SMEM)
-    _bank_report("row1-write", by_cols.type, buf)
-    _bank_report("row1-read", gl.distributed_type(gl.float32, [_V, 16], ROW_PARTIALS), buf)
-    buf = gl.allocate_shared_memory(gl.float32, [_K], PLAIN1)
-    _bank_report("kvec-write", gl.distributed_type(gl.float32, [_K], gl.SliceLayout(0, COL_PARTIALS)), buf)
-    _bank_report("kvec-read", gl.distributed_type(gl.float32, [_K], COLS), buf)
-    _bank_report("vvec-write", gl.distributed_type(gl.float32, [_V], gl.SliceLayout(1, ROW_PARTIALS)), buf)
-    _bank_report("vvec-read", gl.distributed_type(gl.float32, [_V], ROWS), buf)
-    buf = gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM)
-    _bank_report("keys-write", gl.distributed_type(gl.bfloat16, [_K, _L], WINDOW), buf)
-    gl.store(out + gl.arange(0, 32, layout=WORDS), gl.zeros([32], gl.float32, layout=WORDS))
-
-
-def exchange_bank_conflicts(capability: int = 90) -> dict:
-    """Bank conflicts of the one-round exchanges' shared layouts (the *_XCHG_SMEM layouts, the plain vectors, KEYS_SMEM)
-    for their writes and reads, from Triton's own model (compiles a probe; no GPU): {"col4-write": 0, ...}; all zero
-    by design."""
-    import contextlib
-    import io
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    printed = io.StringIO()
-    knobs = triton.knobs.compilation
-    always, knobs.always_compile = knobs.always_compile, True      # (the prints come from compiling, not the cache)
-    try:
-        with contextlib.redirect_stdout(printed):
-            triton.compile(GluonASTSource(fn=_exchange_probe, signature={"out": "*fp32"}, constexprs={}, attrs={}),
-                           target=GPUTarget("cuda", capability, 32), options=dict(num_warps=WARPS, num_stages=1))
-    finally:
-        knobs.always_compile = always
-    found = {}
-    for line in printed.getvalue().splitlines():
-        if "leapquant-bank" in line:
-            name, value = line.split("leapquant-bank", 1)[1].split()[:2]
-            found[name] = int(value)
-    return found

@@ -1,19 +1,28 @@
-"""Development timing of the Triton flush on a GPU (L2-cold, CUDA graphs, CUDA events) with a correctness check by
-the SPEC criterion in the same run.
+"""Development timing of the Triton backend's kernels on a GPU (L2-cold, CUDA graphs, CUDA events) with a correctness
+check by the criterion of docs/spec.md section 3 in the same run.
 
-    PYTHONPATH=. python bench/triton_dev.py [--batch 16 64 256 512] [--variants w8:a0 w8:a1] [--gate kda] [--out DIR]
-    python bench/triton_dev.py --render bench/results/FILE.json       # the markdown table of an earlier run
+    PYTHONPATH=. python bench/dev/triton_dev.py [--batch 16 64 256 512] [--variants mma tl tl:w16 tl:r128]
+        [--gate kda] [--out DIR]
+    python bench/dev/triton_dev.py --render FILE.json       # the markdown table of an earlier run
 
-Method (SPEC section 5): for each batch B a pool of 8 B + 1 slots holds eight disjoint slot sets; one CUDA graph per
-set holds one deployment call; the graphs are replayed in rotation, so no call finds its data in L2. Launches are
+A variant is ``KERNEL[:wWARPS][:rREGS][@FILE]``: KERNEL ``mma`` (the Gluon kernel) or ``tl``; ``:w`` the warps of a tl
+program (the Gluon kernel's layouts are written for its own WARPS), ``:r`` a register cap (ptxas maxnreg), ``@FILE``
+the kernel of another version of its module (e.g. ``git show REV:leapquant/triton/tl_kernel.py > FILE``; it must take
+the current launcher's arguments). Each variant is compiled and launched here, with the launcher's arguments, grid
+rule and compile-time constants (leapquant.triton.launch) and the options above; nothing of the package is patched.
+
+Method (docs/spec.md section 5): for each batch B a pool of 8 B + 1 slots holds eight disjoint slot sets; one CUDA
+graph per set holds one call; the graphs are replayed in rotation, so no call finds its data in L2. Launches are
 queued behind a sleep kernel so the host never starves the GPU; CUDA events around each replay give the call's GPU
-time (both kernels and the gap between them). Due fractions: all (hcnt = L everywhere), sixteenth (B/16 whole rows
-due, as at steady state where all heads of a sequence fill together), none. The memory bound is due programs x
-layout.due_program_bytes() over the device-to-device copy bandwidth measured in the same run.
+time. Due fractions: all (hcnt = L everywhere), sixteenth (B/16 whole rows due, as at steady state where all heads of a
+sequence fill together), none. The memory bound is due programs x layout.due_program_bytes() over the device-to-device
+copy bandwidth measured in the same run. The criterion checks run the shipped backend with each variant's kernel
+chosen through LEAPQUANT_TRITON_KERNEL.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -26,20 +35,67 @@ import torch
 import leapquant as lq
 from leapquant import criterion, families
 from leapquant.layout import L, Pool, due_program_bytes
-
-import leapquant.triton  # noqa: F401  (registers the backend)
-fm = sys.modules["leapquant.triton.flush"]
-SHIPPED = fm._flush_due
-SHIPPED_KNOBS = (fm.FLUSH_WARPS, fm.ALIGN_HINTS, fm.MAX_REGISTERS)
+from leapquant.triton import launch
 
 
-def kernel_from_file(path: str):
-    """``_flush_due`` of another version of leapquant/triton/flush.py (e.g. ``git show REV:leapquant/triton/flush.py
-    > FILE``); it must take the shipped launcher's arguments (A/B of kernel versions in one run, through the same
-    launcher and timing)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tilelang_dev import load_kernel_module
-    return load_kernel_module(path, "leapquant.triton")._flush_due
+def kernel_from_file(path: str, kernel: str):
+    """The kernel ``kernel`` ("tl": ``_flush_due``, "mma": ``flush_due``) of a module file, imported inside
+    leapquant.triton so that its relative imports resolve."""
+    name = "leapquant.triton._dev_" + os.path.basename(path).replace(".", "_").replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod.flush_due if kernel == "mma" else mod._flush_due
+
+
+def parse_variant(variant: str) -> tuple[str, int, int, str]:
+    """``KERNEL[:wWARPS][:rREGS][@FILE]`` -> (kernel, warps or 0, register cap or 0, file or "")."""
+    spec, _, path = variant.partition("@")
+    kernel, *opts = spec.split(":")
+    if kernel not in launch.KERNELS:
+        raise SystemExit(f"variant {variant!r}: the kernel is one of {launch.KERNELS}")
+    warps = regs = 0
+    for opt in opts:
+        if opt[:1] == "w" and opt[1:].isdigit() and kernel == "tl":
+            warps = int(opt[1:])
+        elif opt[:1] == "r" and opt[1:].isdigit():
+            regs = int(opt[1:])
+        else:
+            raise SystemExit(f"variant {variant!r}: unknown option {opt!r} (tl: wN, rN; mma: rN)")
+    return kernel, warps, regs, path
+
+
+def build(pool: Pool, variant: str, q0: torch.Tensor):
+    """Compile ``variant`` for ``pool``: returns (call(idx), info) where call launches the variant's kernel with the
+    launcher's arguments on its persistent grid (no host synchronisation: capturable once compiled)."""
+    kernel, warps, regs, path = parse_variant(variant)
+    fn = kernel_from_file(path, kernel) if path else launch.kernel_fn(kernel)
+    buffers = launch.pool_buffers(pool)
+    raw_u8, raw_f16 = pool.raw.view(torch.uint8), pool.raw.view(torch.float16)
+    due = torch.zeros(pool.num_slots * pool.num_heads, dtype=torch.int32, device=pool.device)
+
+    def args(idx):
+        return launch.flush_args(pool, buffers, raw_u8, raw_f16, due, q0, idx)
+
+    meta = launch.flush_meta(pool, kernel, 1)
+    if warps:
+        meta["num_warps"] = warps
+    if regs:
+        meta["maxnreg"] = regs
+    idx1 = torch.zeros(1, dtype=torch.int32, device=pool.device)
+    meta["G"] = launch.resident_programs(pool, fn, args(idx1), meta)
+    grid = (meta["G"],)
+    kern = fn.warmup(*args(idx1), grid=grid, **meta)
+    info = dict(regs=None, spills=None, smem=None, grid=meta["G"])
+    if kern is not None:                         # (None under TRITON_INTERPRET=1: a CPU smoke test of this path)
+        kern._init_handles()
+        info.update(regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared)
+
+    def call(idx):
+        fn[grid](*args(idx), **meta)
+    call(idx1)                                   # compiled and loaded outside any capture
+    return call, info
 
 
 SETS = 8                  #: disjoint slot sets flushed in rotation (L2-cold)
@@ -85,8 +141,8 @@ def set_due(pool: Pool, B: int, mode: str, g: torch.Generator) -> int:
     return rows * H
 
 
-def time_point(pool: Pool, B: int, q0: torch.Tensor, reps: int) -> list[float]:
-    """Median-able list of per-call GPU times (us) over `reps` rotations of the SETS graphs."""
+def time_point(call, B: int, reps: int) -> list[float]:
+    """Median-able list of per-call GPU times (us) of ``call(idx)`` over `reps` rotations of the SETS graphs."""
     stream = torch.cuda.Stream()
     graphs = []
     idxs = [torch.arange(1 + s * B, 1 + (s + 1) * B, dtype=torch.int32, device="cuda")[torch.randperm(B).cuda()]
@@ -94,12 +150,12 @@ def time_point(pool: Pool, B: int, q0: torch.Tensor, reps: int) -> list[float]:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for s in range(SETS):
-            lq.flush_inplace(pool, idxs[s], q0, backend="triton")   # warm (compiled already by warmup)
+            call(idxs[s])                                           # warm (compiled already by build)
         torch.cuda.synchronize()
         for s in range(SETS):
             gr = torch.cuda.CUDAGraph()
             with torch.cuda.graph(gr, stream=stream):
-                lq.flush_inplace(pool, idxs[s], q0, backend="triton")
+                call(idxs[s])
             graphs.append(gr)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -116,12 +172,15 @@ def time_point(pool: Pool, B: int, q0: torch.Tensor, reps: int) -> list[float]:
     return out
 
 
-def check(batch: int, gate: str, seed: int) -> criterion.Verdict:
+def check(batch: int, gate: str, seed: int, kernel: str) -> criterion.Verdict:
+    """Every family at ``batch`` x 32 heads through the shipped backend, ``kernel`` chosen by its environment switch
+    (read when the case's pool is bound), judged by the criterion."""
+    os.environ[launch.KERNEL_ENV] = kernel
     case = families.make_case(batch, 32, gate, seed=seed).to("cuda")
     out = case.run(backend="triton")
     S = criterion.exact_state(*case.checkpoint(), case.tensors["kbuf"], case.tensors["ubuf"], case.tensors["w"],
                               **case.gate_kwargs())
-    return criterion.judge(S, out, case.reference(), labels=case.labels, name=f"triton {gate} b{batch}")
+    return criterion.judge(S, out, case.reference(), labels=case.labels, name=f"triton {kernel} {gate} b{batch}")
 
 
 def render(path: str) -> str:
@@ -140,22 +199,18 @@ def render(path: str) -> str:
                    f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['bound_us']:.1f} | {ratio} | "
                    f"{r['regs']} | {r['spills']} | {r['grid']} |")
     for v in d.get("verdicts", []):
-        out.append(f"\n- criterion {v['gate']} batch {v['batch']}: {v['message']}")
+        out.append(f"\n- criterion {v.get('kernel', 'tl')} {v['gate']} batch {v['batch']}: {v['message']}")
     return "\n".join(out)
 
 
 def main() -> None:
-    # the variants below are knobs of the tl kernel (leapquant/triton/flush.py); the Gluon kernel is timed by the
-    # benchmark CLI (python -m leapquant bench --backends triton)
-    os.environ[fm.KERNEL_ENV] = "tl"
     if len(sys.argv) == 3 and sys.argv[1] == "--render":
         print(render(sys.argv[2]))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256, 512])
-    ap.add_argument("--variants", nargs="+", default=[f"w{fm.FLUSH_WARPS}:a{int(fm.ALIGN_HINTS)}"],
-                    help="kernel variants warps:align-hints[:register cap][@kernel file], e.g. w8:a0 w8:a1 w16:a0 "
-                         "w8:a0:r128 w8:a1@old_flush.py; "
+    ap.add_argument("--variants", nargs="+", default=["tl"],
+                    help="KERNEL[:wWARPS][:rREGS][@FILE], e.g. mma tl tl:w16 tl:r128 tl@old_tl_kernel.py; "
                          "the first at every batch")
     ap.add_argument("--variant-batch", nargs="+", type=int, default=[256], help="batches of the other variants")
     ap.add_argument("--gate", nargs="+", default=["kda"])
@@ -164,6 +219,8 @@ def main() -> None:
     ap.add_argument("--check", nargs="*", type=int, default=[64, 256], help="batches judged by the criterion")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    for variant in a.variants:
+        parse_variant(variant)                   # (a bad variant fails before any GPU work)
     # the device machine gets the working tree without .git: pass the hash in LEAPQUANT_COMMIT there
     commit = os.environ.get("LEAPQUANT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -176,27 +233,15 @@ def main() -> None:
     rows = []
     for gate in a.gate:
         for vi, variant in enumerate(a.variants):
-            knobs, _, path = variant.partition("@")
-            fm._flush_due = kernel_from_file(path) if path else SHIPPED
-            w_, a_, *r_ = knobs.split(":")
-            fm.FLUSH_WARPS = int(w_[1:])
-            fm.ALIGN_HINTS = a_ == "a1"
-            fm.MAX_REGISTERS = int(r_[0][1:]) if r_ else 0
-            fm._WORKSPACES.clear()
             for B in (a.batch if vi == 0 else a.variant_batch):
                 pool = Pool(SETS * B + 1, 32, device="cuda", gate=gate)
                 g = torch.Generator().manual_seed(B)
                 fill(pool, g)
                 q0 = lq.default_q0("cuda")
-                lq.warmup(pool, backend="triton")
-                ws = fm._WORKSPACES[pool]
-                idx1 = torch.zeros(1, dtype=torch.int32, device="cuda")
-                kern = fm._flush_due.warmup(*fm._flush_args(pool, ws, q0, idx1), grid=(ws.programs,),
-                                            **fm._flush_meta(pool, ws.kernel, ws.programs))
-                info = dict(regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared, grid=ws.programs)
+                call, info = build(pool, variant, q0)
                 for mode in a.due:
                     due = set_due(pool, B, mode, g)
-                    t = time_point(pool, B, q0, a.reps)
+                    t = time_point(call, B, a.reps)
                     med = statistics.median(t)
                     q = statistics.quantiles(t, n=5)
                     bound = due * due_program_bytes(gate) / bw * 1e6
@@ -205,18 +250,16 @@ def main() -> None:
                                **info)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                del pool
-                fm._WORKSPACES.clear()
+                del pool, call
                 torch.cuda.empty_cache()
-    fm._flush_due = SHIPPED                              # the checks: the shipped kernel and knobs
-    fm.FLUSH_WARPS, fm.ALIGN_HINTS, fm.MAX_REGISTERS = SHIPPED_KNOBS
-    fm._WORKSPACES.clear()
     verdicts = []
-    for gate in a.gate:
-        for B in a.check:
-            v = check(B, gate, seed=B)
-            verdicts.append(dict(gate=gate, batch=B, passed=v.passed, worst_score=v.worst_score, message=v.message))
-            print(v.message, flush=True)
+    for kernel in sorted({parse_variant(v)[0] for v in a.variants}):
+        for gate in a.gate:
+            for B in a.check:
+                v = check(B, gate, seed=B, kernel=kernel)
+                verdicts.append(dict(gate=gate, batch=B, kernel=kernel, passed=v.passed, worst_score=v.worst_score,
+                                     message=v.message))
+                print(v.message, flush=True)
     with open(os.path.join(a.out, "triton_dev.json"), "w") as f:
         json.dump(dict(env=env, rows=rows, verdicts=verdicts), f, indent=1)
     print(f"\n{env['gpu']}  copy {bw / 1e12:.2f} TB/s  torch {env['torch']}  triton {env['triton']}  {commit}")
@@ -228,7 +271,8 @@ def main() -> None:
               f"| {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['bound_us']:.1f} | {ratio} | {r['regs']} | {r['spills']} "
               f"| {r['grid']} |")
     for v in verdicts:
-        print(f"criterion {v['gate']} b{v['batch']}: {'PASS' if v['passed'] else 'FAIL'} worst {v['worst_score']:.4f}")
+        print(f"criterion {v['kernel']} {v['gate']} b{v['batch']}: {'PASS' if v['passed'] else 'FAIL'} "
+              f"worst {v['worst_score']:.4f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,242 @@
+"""The Triton backend's launcher: one launch per call, CUDA-graph safe (no host sync, no allocation, a fixed grid).
+
+Two kernels take the same arguments, workspace and grid: on a GPU the Gluon kernel
+(:mod:`leapquant.triton.gluon_kernel`: tensor-core rank updates in layouts chosen for the algorithm; 3x faster on the
+H200), elsewhere the ``tl`` kernel (:mod:`leapquant.triton.tl_kernel`), which the interpreter runs (the CPU test
+tier). :func:`kernel_for` chooses one per device; :func:`flush` makes the pool's workspace once, compiles the chosen
+kernel for the pool's buffers, binds its launch (:func:`_bind`) and launches it.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..layout import Pool, slot_stride
+from . import tl_kernel
+from .tl_kernel import INTERPRETED
+
+#: (row, head) flags a program ranks per step of its scan (rows x heads padded to a power of two); a compile-time
+#: argument of both kernels. On a GPU one step covers batch 256 x 32 heads, all its loads in flight at once (each step
+#: costs two dependent trips to memory: idx, then the fill counters); under the interpreter a short step lets the CPU
+#: tests span several steps at small sizes
+CHUNK = 1024 if INTERPRETED else 8192
+#: rows a call may carry before the workspace must grow (growing allocates: done outside graph capture only)
+MIN_ROW_CAPACITY = 1024
+#: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
+INTERPRETER_PROGRAMS = 4
+
+#: which kernel a GPU call runs: "mma" (the Gluon kernel: tensor-core rank updates, explicit layouts; wherever Triton
+#: ships a validated Gluon and the GPU has mma.sync, sm_80+) or "tl" (the portable kernel: the one the interpreter
+#: runs, and the fallback). The environment variable forces one (read when a pool's launch is bound); a forced "mma"
+#: that cannot run raises with the reasons
+KERNEL_ENV = "LEAPQUANT_TRITON_KERNEL"
+KERNELS = ("mma", "tl")
+
+#: Triton releases the Gluon kernel is validated on (compiled, judged by the criterion and timed on the H200).
+#: Gluon is Triton's experimental dialect and changes between releases, so elsewhere the backend serves with the
+#: portable tl kernel and says why (``leapquant info``)
+GLUON_VALIDATED_TRITON = ("3.6",)
+
+#: Triton releases the bound launch (:func:`_bind`) was validated on: it calls the compiled kernel's own launcher
+#: (``CompiledKernel[grid](*every kernel parameter)``), skipping the JIT's per-call argument binding and
+#: specialisation. Elsewhere every call goes through the JIT's launch (correct; tens of microseconds dearer per call)
+BOUND_LAUNCH_TRITON = ("3.6",)
+
+
+def _gluon_kernel():
+    """The Gluon kernel's module, imported on first use: a Triton without a usable Gluon fails this import, and the
+    backend must still serve there with the tl kernel (:func:`mma_reasons` reports the failure)."""
+    from . import gluon_kernel
+    return gluon_kernel
+
+
+# ---- kernel choice ---------------------------------------------------------------------------------------------------
+def mma_reasons(device: torch.device) -> list[str]:
+    """Why the Gluon kernel cannot serve ``device`` (empty: it can)."""
+    if INTERPRETED or device.type != "cuda":
+        return ["the Gluon kernel runs on CUDA GPUs only (not under TRITON_INTERPRET=1)"]
+    why = []
+    if not triton.__version__.startswith(GLUON_VALIDATED_TRITON):
+        why.append(f"the Gluon kernel is validated on triton {', '.join(v + '.x' for v in GLUON_VALIDATED_TRITON)}, "
+                   f"this is {triton.__version__} (the tl kernel serves instead)")
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        why.append(f"compute capability {torch.cuda.get_device_capability(device)} < (8, 0): no mma.sync")
+    if not why:
+        try:
+            _gluon_kernel()
+        except Exception as exc:  # a Triton without a usable Gluon
+            why.append(f"triton {triton.__version__} has no usable Gluon: {type(exc).__name__}: {exc}")
+    return why
+
+
+def kernel_for(device: torch.device) -> str:
+    """The kernel a call on ``device`` runs (see :data:`KERNEL_ENV`)."""
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if forced and forced not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={forced!r}: expected one of {KERNELS}")
+    why = mma_reasons(device)
+    if forced == "mma" and why:
+        raise RuntimeError(f"{KERNEL_ENV}=mma cannot run: " + "; ".join(why))
+    if forced:
+        return forced
+    return "tl" if why else "mma"
+
+
+def kernel_fn(kernel: str):
+    """The jit function of ``kernel`` ("mma" or "tl"); both take :func:`flush_args`, then :func:`flush_meta`'s
+    compile-time arguments."""
+    if kernel == "mma":
+        return _gluon_kernel().flush_due
+    return tl_kernel._flush_due
+
+
+# ---- workspace and arguments -----------------------------------------------------------------------------------------
+@dataclass
+class _Workspace:
+    """Per-pool workspace, allocated once outside the call: the due list, typed views of raw, the persistent grid
+    size and the launch bound to the pool's buffers."""
+    rows: int                      # largest len(idx) served without growing
+    due: torch.Tensor              # int32 [rows * H]: the call's due programs by rank
+    raw_u8: torch.Tensor
+    raw_f16: torch.Tensor
+    kernel: str = "tl"             # "mma" or "tl" (kernel_for)
+    programs: int = 0              # persistent programs resident at once (0: not bound yet)
+    buffers: tuple = ()            # the pool tensors the launch is bound to (re-bound when the caller swaps one)
+    launch: object = None          # launch(*kernel parameters): the compiled kernel's launcher, or the JIT's
+    constants: tuple = ()          # the compile-time parameters, in the kernel's order, after the run-time ones
+
+
+_WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
+
+
+def _capturing(pool: Pool) -> bool:
+    return pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _workspace(pool: Pool, rows: int) -> _Workspace:
+    ws = _WORKSPACES.get(pool)
+    if ws is not None and ws.rows >= rows and ws.raw_u8.data_ptr() == pool.raw.data_ptr():
+        return ws
+    if _capturing(pool):
+        raise RuntimeError(f"leapquant triton flush: call leapquant.warmup(pool) (or flush once) with at least {rows} "
+                           f"rows outside CUDA graph capture first: the workspace and kernels are made there")
+    cap = max(rows, MIN_ROW_CAPACITY, ws.rows if ws is not None else 0)
+    ws = _Workspace(rows=cap, due=torch.zeros(cap * pool.num_heads, dtype=torch.int32, device=pool.device),
+                    raw_u8=pool.raw.view(torch.uint8), raw_f16=pool.raw.view(torch.float16))
+    _WORKSPACES[pool] = ws
+    return ws
+
+
+def pool_buffers(pool: Pool) -> tuple:
+    """The pool tensors a launch reads, in the kernel's order (GDN passes p twice: gbuf is a placeholder there)."""
+    kda = pool.gate == "kda"
+    return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum if kda else pool.p, pool.gbuf if kda else pool.p,
+            pool.hcnt)
+
+
+def flush_args(pool: Pool, buffers: tuple, raw_u8: torch.Tensor, raw_f16: torch.Tensor, due: torch.Tensor,
+               q0: torch.Tensor, idx: torch.Tensor) -> tuple:
+    """Run-time arguments of either kernel (same order) for a call with ``idx``: ``buffers`` from
+    :func:`pool_buffers`, raw's uint8 and fp16 views, ``due`` the workspace list int32 [>= len(idx) * H]."""
+    raw, kbuf, ubuf, w, gate, gbuf, hcnt = buffers
+    return (raw, raw_u8, raw_f16, kbuf, ubuf, w, gate, gbuf, q0, idx, hcnt, due,
+            idx.numel(), pool.num_slots, slot_stride(pool.num_heads))
+
+
+def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
+    return flush_args(pool, ws.buffers, ws.raw_u8, ws.raw_f16, ws.due, q0, idx)
+
+
+def flush_meta(pool: Pool, kernel: str, programs: int) -> dict:
+    """Compile-time arguments and launch options of ``kernel`` for a grid of ``programs``."""
+    hp = triton.next_power_of_2(pool.num_heads)
+    meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK)
+    if kernel == "mma":
+        return dict(meta, TW=min(hp, 32), num_warps=_gluon_kernel().WARPS, num_stages=1)
+    return dict(meta, num_warps=tl_kernel.WARPS, num_stages=1)
+
+
+# ---- binding and launching -------------------------------------------------------------------------------------------
+def resident_programs(pool: Pool, fn, args: tuple, meta: dict) -> int:
+    """Persistent grid size: the flush programs that fit on the GPU at once (registers, shared memory, threads), from
+    the kernel ``fn`` compiled with ``args`` and ``meta`` for one program per SM."""
+    if INTERPRETED or pool.device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    props = torch.cuda.get_device_properties(pool.device)
+    sms = props.multi_processor_count
+    meta = dict(meta, G=sms)
+    kern = fn.warmup(*args, grid=(sms,), **meta)
+    try:
+        kern._init_handles()                   # loads the module and fills n_regs (Triton 3.x)
+        threads = 32 * meta["num_warps"]
+        by_regs = props.regs_per_multiprocessor // (max(kern.n_regs, 1) * threads)
+        smem = kern.metadata.shared
+        by_smem = props.shared_memory_per_multiprocessor // smem if smem else by_regs
+        by_threads = props.max_threads_per_multi_processor // threads
+        per_sm = max(1, min(by_regs, by_smem, by_threads))
+    except Exception:                          # an API change: one program per SM is always resident
+        per_sm = 1
+    return per_sm * sms
+
+
+def _bound_launch_supported() -> bool:
+    return not INTERPRETED and triton.__version__.startswith(BOUND_LAUNCH_TRITON)
+
+
+def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> None:
+    """Choose the kernel and grid, compile it for the pool's buffers and bind its launch (outside graph capture).
+
+    The JIT specialises a kernel on its pointers' 16-byte alignment (not q0's and idx's, which change per call) and
+    on the values of nothing else it is given at run time (N, num_slots and SS are not specialised), so one compiled
+    kernel serves every call on these buffers: it is launched directly through its own launcher."""
+    if _capturing(pool):
+        raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first "
+                           "(the kernel is compiled and bound to the pool's buffers there)")
+    ws.buffers = pool_buffers(pool)
+    ws.kernel = kernel_for(pool.device)
+    fn = kernel_fn(ws.kernel)
+    args = _flush_args(pool, ws, q0, idx)
+    ws.programs = resident_programs(pool, fn, args, flush_meta(pool, ws.kernel, 1))
+    meta = flush_meta(pool, ws.kernel, ws.programs)
+    grid = (ws.programs, 1, 1)            # (the compiled kernel's launcher reads all three dimensions)
+    if _bound_launch_supported():
+        compiled = fn.warmup(*args, grid=grid, **meta)
+        ws.constants = tuple(meta[name] for name in fn.arg_names[len(args):])
+        ws.launch = compiled[grid]
+    else:
+        options = {k: v for k, v in meta.items() if k not in fn.arg_names}
+        consts = {k: v for k, v in meta.items() if k in fn.arg_names}
+        ws.constants = ()
+
+        def launch(*args):
+            fn[grid](*args, **consts, **options)
+        ws.launch = launch
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
+    """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
+
+    pool: :class:`~leapquant.layout.Pool`; idx int32 [N] slot per row (<= 0 or >= num_slots: skip); q0 fp32 [V, R].
+    One launch of a fixed grid; no host synchronisation, no allocation once the pool's workspace exists."""
+    if idx.numel() == 0:
+        return
+    ws = _workspace(pool, idx.numel())
+    if ws.launch is None or not _same(ws.buffers, pool_buffers(pool)):
+        _bind(pool, ws, q0, idx)
+    ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
+
+
+def warmup(pool: Pool) -> None:
+    """Make the workspace, compile / load the kernel for ``pool`` and bind its launch (outside any graph capture) by
+    flushing an all-skip row: nothing in the pool changes."""
+    from ..reference import default_q0
+    idx = torch.zeros(1, dtype=torch.int32, device=pool.device)
+    flush(pool, idx, default_q0(pool.device))
