@@ -788,6 +788,10 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
     kernel (tl_kernel._flush_due), plus TW (lanes along the heads in the ranking: min(HP, 32))."""
     pid = gl.program_id(0)
     total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK, TW)
+    # every thread reads the list entries other threads of this program wrote in the ranking's last step: the barrier
+    # makes those global stores visible to them (without it a warp could read an entry before its writer stored it:
+    # under compute-sanitizer's racecheck, which reorders warps, the flush then rewrote programs that were not due)
+    gl.thread_barrier()
 
     # one item's inputs (StagedInputs); the new tokens (flat, ranks R.. zero); q0 column by column
     # (q0_s[r V + v] = q0[v, r]); the exchanges' own buffers (ExchangeBuffers)
