@@ -1,10 +1,11 @@
-"""The Triton backend against the fp32 reference by the SPEC criterion, and its deployment contract.
+"""What is specific to the Triton backend (the criterion on every family, the footprint on a caller's pool and the
+deployment contract for its default kernel are in tests/test_conformance.py).
 
-Without a GPU the tl kernel runs through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): small
-shapes, every input family, both gates; the Gluon kernel (the backend's GPU kernel) is built for sm_80 / sm_90 /
-sm_100 by Triton's own ptxas. With a GPU every test here runs the Gluon kernel, and the ``gpu`` tests judge the
-deployment sizes (batch 16 to 512 x 32 heads), replay the call from a CUDA graph with different due sets and count
-the launches of a call with nothing due, for both kernels.
+Without a GPU the tl kernel runs through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): the
+ranking across chunks of the due scan, repeated calls, the kernel's layout constants, the kernel choice; the Gluon
+kernel (the backend's GPU kernel) is built for sm_80 / sm_90 / sm_100 by Triton's own ptxas and its inline assembly
+emulated. With a GPU the ``gpu`` tests judge both kernels (Gluon and tl) at the deployment sizes, replay the call from
+a CUDA graph with different due sets and count the launches of a call with nothing due.
 """
 from __future__ import annotations
 
@@ -16,14 +17,12 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
 
 import leapquant as lq
 from leapquant import criterion, families, reference
 from leapquant.layout import CHECKPOINT_BYTES, L, OFF, REGION_WORDS, Pool
-from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, fill_noise,
-                     judge_programs, noisy_pool, nothing_due_launches, poison_due_checkpoints, program_inputs,
-                     snapshot)
+from helpers import (assert_flush_footprint, check_graph_replay, due_programs, fill_noise, noisy_pool,
+                     nothing_due_launches, snapshot)
 
 pytest.importorskip("triton")
 from leapquant import triton as lq_triton  # noqa: E402  (registers the backend)
@@ -35,8 +34,6 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 pytestmark = [] if HAS_CUDA else [pytest.mark.interpreter]
 
-gates = st.sampled_from(["kda", "gdn"])
-
 
 def _judge(case: families.Case, out) -> criterion.Verdict:
     """The criterion on ``case``'s device (the fp64 rebuild on a GPU is cheap; on the CPU it is the case's own)."""
@@ -47,88 +44,8 @@ def _judge(case: families.Case, out) -> criterion.Verdict:
     return criterion.judge(S, out, case.reference(), labels=case.labels, name="triton")
 
 
-# ---- the functional form: every family, both gates ---------------------------------------------------------------
-@pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_every_family(gate):
-    """One head of every family (edge cases, second window, random, kda_sim) in one call."""
-    case = families.make_case(1, len(families.FAMILIES), gate, seed=3).to(DEVICE)
-    out = case.run(backend="triton")
-    v = _judge(case, out)
-    assert v.passed, v.message
-    assert [o.dtype for o in out] == [torch.int8, torch.float32, torch.float32, torch.float16, torch.float16]
-
-
-@given(gate=gates, seed=st.integers(0, 2**16), batch=st.integers(1, 3), heads=st.integers(2, 12))
-def test_random_shapes_against_reference(gate, seed, batch, heads):
-    case = families.make_case(batch, heads, gate, seed=seed).to(DEVICE)
-    v = _judge(case, case.run(backend="triton"))
-    assert v.passed, v.message
-
-
-@pytest.mark.parametrize("gate", ["kda", "gdn"])
-@pytest.mark.parametrize("family", ["tiny", "pcum_below_1000", "zero", "scaled_zero", "scaled_zero_window", "huge"])
-def test_hard_families(family, gate):
-    """Tiny heads (~1e-4: fp16 intermediates fail there), pcum < -1000, all-zero heads (also zero codes under positive
-    scales: the dequantisation must give exactly 0 for code 0), huge heads; 3 heads."""
-    case = families.make_case(1, 3, gate, seed=11, families=[family]).to(DEVICE)
-    out = case.run(backend="triton")
-    v = _judge(case, out)
-    assert v.passed, v.message
-    if family in ("zero", "scaled_zero"):
-        assert float(reference.decode_checkpoint(*out).abs().max()) == 0.0, "an all-zero head must decode to 0"
-
-
-# ---- the deployment form: footprint, poison, skipped rows ------------------------------------------------------------
-@given(gate=gates, heads=st.integers(1, 5), seed=st.integers(0, 2**16))
-def test_footprint_and_criterion(gate, heads, seed):
-    """Due programs rewritten (and pass the criterion), windows reset, every other byte untouched: non-due
-    programs, slot 0, rows not in idx, the spare head region, the bytes past each checkpoint, hcnt."""
-    pool, idx = noisy_pool(gate, heads, seed, DEVICE)
-    slots, hs = due_programs(pool, idx)
-    inputs = program_inputs(pool, slots, hs)
-    before = snapshot(pool)
-    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
-    assert_flush_footprint(pool, before, slots, hs)
-    v = judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE), "triton")
-    assert v.passed, v.message
-
-
-@pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_poisoned_checkpoints_are_all_written(gate):
-    """Due checkpoints start as 0x7f codes with scales and tokens that decode to zero (finite: they are also the
-    input); after the flush no due program keeps the poison, its scales are >= eps, its tokens finite."""
-    heads = 3
-    pool, idx = noisy_pool(gate, heads, 5, DEVICE)
-    slots, hs = due_programs(pool, idx)
-    s, h = slots.to(DEVICE), hs.to(DEVICE)
-    poison_due_checkpoints(pool, slots, hs)
-    # programs that are not flushed get NaN scales: they must neither change nor leak into the due ones
-    pool.s_k[4, 0] = float("nan")                             # due, but its row is not in idx
-    pool.s_v[0, 0] = float("nan")                             # slot 0
-    inputs = program_inputs(pool, slots, hs)
-    before = snapshot(pool)
-    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend="triton")
-    assert_flush_footprint(pool, before, slots, hs)
-    assert bool((pool.s_k[s, h] >= lq.EPS).all()) and bool((pool.s_v[s, h] >= lq.EPS).all())
-    assert not bool((pool.codes[s, h] == POISON_CODE).all(dim=-1).all(dim=-1).any())
-    v = judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE), "triton")
-    assert v.passed, v.message
-
-
-@pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_skipped_rows_change_nothing(gate):
-    """idx of only 0 rows, and (calling the backend directly, as under graph capture where the API cannot check
-    values) out-of-range slots: nothing moves."""
-    pool, _ = noisy_pool(gate, 2, 9, DEVICE)
-    pool.hcnt.fill_(L)
-    before = snapshot(pool)
-    q0 = lq.default_q0(DEVICE)
-    lq.flush_inplace(pool, torch.zeros(5, dtype=torch.int32, device=DEVICE), q0, backend="triton")
-    bad = torch.tensor([0, -1, pool.num_slots, pool.num_slots + 100, -(2**31)], dtype=torch.int32, device=DEVICE)
-    lq_triton.flush(pool, bad, q0)
-    assert_flush_footprint(pool, before, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
-
-
+# ---- what is specific to this backend: the ranking's chunks, repeated calls, the kernels' constants -----------------
+# (every family, random geometries, the poisoned pool's footprint and padding rows: tests/test_conformance.py)
 @pytest.mark.parametrize("heads", [1, 64])
 def test_due_list_spans_chunks(heads):
     """Rows x heads beyond one chunk of the due scan (and 1 head): a few due programs scattered over every chunk
