@@ -335,16 +335,16 @@ IMPL_INTERFACE = ("Pool(num_slots, num_heads=H, device=D, gate=G) with leapquant
                   "flush_inplace(pool, idx, q0)")
 
 
-def load_impl_module(path: str):
-    """Import the file ``path`` as a module of its own (nothing is copied) and check that it defines the names of the
-    ``--impl`` interface (:func:`impl_target`)."""
+def load_module(path: str, label: str, required: Sequence[str], interface: str):
+    """Import the file ``path`` as a module of its own (nothing is copied) and check that it defines ``required``;
+    errors name it by ``label`` (the option or variable that gave the path) and describe ``interface``."""
     p = Path(path).expanduser().resolve()
     if not p.is_file():
-        raise FileNotFoundError(f"--impl {path}: no such file")
+        raise FileNotFoundError(f"{label} {path}: no such file")
     modname = f"leapquant_bench_impl_{p.stem}_{abs(hash(str(p))) % 10**8}"
     spec = importlib.util.spec_from_file_location(modname, p)
     if spec is None or spec.loader is None:
-        raise ImportError(f"--impl {path}: cannot be loaded as a Python module")
+        raise ImportError(f"{label} {path}: cannot be loaded as a Python module")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod
     try:
@@ -352,10 +352,15 @@ def load_impl_module(path: str):
     except BaseException:
         sys.modules.pop(modname, None)
         raise
-    for attr in ("Pool", "flush_inplace"):
+    for attr in required:
         if not hasattr(mod, attr):
-            raise AttributeError(f"--impl {path}: the module has no {attr!r} (the interface: {IMPL_INTERFACE})")
+            raise AttributeError(f"{label} {path}: the module has no {attr!r} (the interface: {interface})")
     return mod
+
+
+def load_impl_module(path: str):
+    """Import an ``--impl`` file and check that it defines the names of the interface (:func:`impl_target`)."""
+    return load_module(path, "--impl", ("Pool", "flush_inplace"), IMPL_INTERFACE)
 
 
 def check_impl_pool(pool, heads: int, gate: str) -> None:

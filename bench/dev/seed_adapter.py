@@ -18,7 +18,6 @@ bench calls once the seed's rows are done. A pool the seed cannot give (another 
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -28,25 +27,9 @@ ENV = "LEAPQUANT_SEED_KERNEL"
 
 def load_seed(path: str | os.PathLike):
     """Import the seed file at ``path`` as a module of its own and check that it has ``Pool`` and ``flush_inplace``."""
-    p = Path(path).expanduser().resolve()
-    if not p.is_file():
-        raise FileNotFoundError(f"{ENV}={path}: no such file")
-    name = f"leapquant_seed_{p.stem}"
-    spec = importlib.util.spec_from_file_location(name, p)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{ENV}={path}: cannot be loaded as a Python module")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    for attr in ("Pool", "flush_inplace"):
-        if not hasattr(mod, attr):
-            raise AttributeError(f"{ENV}={path}: the module has no {attr!r} (the seed's interface: "
-                                 f"Pool(num_slots, device), flush_inplace(pool, idx, q0))")
-    return mod
+    from leapquant.bench import load_module
+    return load_module(str(path), f"{ENV}=", ("Pool", "flush_inplace"),
+                       "Pool(num_slots, device), flush_inplace(pool, idx, q0)")
 
 
 def seed_gate(pool) -> str:
