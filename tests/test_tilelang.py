@@ -2,15 +2,14 @@
 output against the fp32 reference by the SPEC criterion and its deployment contract.
 
 CPU part (CI): the kernel is lowered and compiled with nvcc for sm_90a and sm_100a (a break in the TileLang code fails
-here), and ``reasons`` is checked on CPU pools and declined geometries. Skipped only where nvcc or tilelang is absent.
+here), its clock-stamp builds trace, and ``reasons`` is checked on CPU pools and declined geometries. Skipped only
+where nvcc or tilelang is absent.
 GPU part (``gpu`` marker, skipped without CUDA): every input family at batch 16-512 x 32 heads for both gates, the
 tiny head, heads 16 and 8, the pool footprint (poison, untouched bytes, window reset) and a CUDA graph replay.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -23,6 +22,8 @@ from helpers import (assert_flush_footprint, check_graph_replay, due_programs, j
 
 tilelang = pytest.importorskip("tilelang")
 from leapquant import tilelang as lq_tl  # noqa: E402  (registers the backend)
+from leapquant.tilelang import clock as tl_clock  # noqa: E402
+from leapquant.tilelang import config as tl_config  # noqa: E402
 from leapquant.tilelang import kernel as tl_kernel  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -35,74 +36,53 @@ DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 
 # ---- CPU: the kernel builds for both targets ---------------------------------------------------------------------
 @needs_nvcc
-@pytest.mark.parametrize("arch,sms,gate,heads", [("sm_90a", 132, "kda", 32), ("sm_100a", 148, "kda", 32),
-                                                 ("sm_100a", 148, "gdn", 8)])
-def test_kernel_compiles_for_target(monkeypatch, arch, sms, gate, heads):
-    """Lower the kernel and compile it with nvcc for the target (TileLang's disk cache off, so nvcc really runs)."""
+@pytest.mark.parametrize("arch,sms,gate,heads,clock", [("sm_90a", 132, "kda", 32, None),
+                                                       ("sm_100a", 148, "kda", 32, None),
+                                                       ("sm_100a", 148, "gdn", 8, None),
+                                                       ("sm_90a", 132, "kda", 32, "phases")])
+def test_kernel_compiles_for_target(monkeypatch, arch, sms, gate, heads, clock):
+    """Lower the kernel and compile it with nvcc for the target (TileLang's disk cache off, so nvcc really runs); one
+    clock-stamp build too (the profiling builds are a generator option, kept building)."""
     monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")
-    cfg = tl_kernel.FlushConfig(num_heads=heads, gate=gate, arch=arch, num_sms=sms)
+    cfg = tl_config.FlushConfig(num_heads=heads, gate=gate, arch=arch, num_sms=sms, clock=clock)
     kern = tl_kernel.compile_flush(cfg)
     src = kern.get_kernel_source()
     assert "leapquant_flush" in src
     assert "__launch_bounds__(512" in src, "one CTA of 512 threads per SM is what the register budget assumes"
-    assert tl_kernel.shared_bytes(cfg) <= 227 * 1024
+    assert tl_config.shared_bytes(cfg) <= 227 * 1024
+    assert ("lq_mark(" in src) == (clock == "phases")
 
 
-def _bench_tools():
-    """bench/tilelang_clock.py and bench/tilelang_dev.py (the profiling-build tools), imported from bench/."""
-    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    sys.path.insert(0, bench_dir)
-    try:
-        import tilelang_clock
-        import tilelang_dev
-    finally:
-        sys.path.remove(bench_dir)
-    return tilelang_clock, tilelang_dev
+#: stamps each clock mode places (leapquant/tilelang/clock.py): "ctas" at the CTA's start, each group's loop end and
+#: the CTA's end; "prologue" at the CTA's start, before the ranking, after three of its barriers, when it ends, and
+#: per group at the first fetch, its staging, the barrier after it, a program's start and the loop's end
+CLOCK_STAMPS = {"ctas": ("lq_cta_stamp", 3), "prologue": ("lq_pro_stamp", 1 + 1 + 3 + 1 + 5)}
 
 
-def test_clock_profiling_build_traces(tmp_path):
-    """bench/tilelang_clock.py's profiling build of the shipped generator: a clock stamp after every statement of the
-    program loop, and the result still traces to a kernel (the profile's segments are the phases, not guesses)."""
-    tilelang_clock, tilelang_dev = _bench_tools()
-    out = tmp_path / "prof_kernel.py"
-    names = tilelang_clock.build(tl_kernel.__file__, str(out))
-    phases = [n.split("_", 1)[1] for n in names]
-    assert phases[:5] == ["load_codes", "T.sync_threads",        # the codes from the prefetch buffer, the barrier
-                          "prefetch_program", "rebuild_state", "project_columns"]
-    assert names[-1].endswith("store_codes")
-    mod = tilelang_dev.load_kernel_module(str(out))
-    script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()
-    assert script.count("lq_mark") == len(names)
-
-
-def test_cta_timestamp_build_traces(tmp_path):
-    """bench/tilelang_clock.py's per-CTA timestamp build of the shipped generator traces to a kernel with its three
-    stamp sites (CTA start, each group's loop end, CTA end), all outside the program loop."""
-    tilelang_clock, tilelang_dev = _bench_tools()
-    out = tmp_path / "cta_kernel.py"
-    tilelang_clock.build_cta(tl_kernel.__file__, str(out))
-    mod = tilelang_dev.load_kernel_module(str(out))
-    script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()
-    assert script.count("lq_cta_stamp") == 3
-
-
-def test_prologue_stamp_build_traces(tmp_path):
-    """bench/tilelang_clock.py's prologue build: stamps at the CTA's start, after q0 and the token padding, inside
-    the ranking (three barriers), when the ranking ends, and per group at the first fetch, staging, barrier, program
-    starts and loop end."""
-    tilelang_clock, tilelang_dev = _bench_tools()
-    out = tmp_path / "pro_kernel.py"
-    tilelang_clock.build_pro(tl_kernel.__file__, str(out))
-    mod = tilelang_dev.load_kernel_module(str(out))
-    script = mod.make_flush_func(mod.FlushConfig(32, "kda", "sm_90a", 132)).script()
-    assert script.count("lq_pro_stamp") == 1 + 1 + 3 + 1 + 5, script.count("lq_pro_stamp")
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_clock_builds_trace(gate):
+    """Every clock mode traces to a kernel with its stamps where clock.py says; the "phases" build stamps after every
+    step of the program loop, one counter per named step; the shipped build has no stamp at all."""
+    script = tl_kernel.make_flush_func(tl_config.FlushConfig(32, gate, "sm_90a", 132)).script()
+    assert not any(name in script for name in ("lq_mark", "lq_cta_stamp", "lq_pro_stamp", "clock64"))
+    cfg = tl_config.FlushConfig(32, gate, "sm_90a", 132, clock="phases")
+    names = tl_kernel.clock_segments(cfg)
+    assert names[:4] == ["load_codes", "barrier: codes loaded", "prefetch (next program, staging warps)", "rebuild"]
+    assert names[-4:] == ["residual", "scales_k", "scales_v", "codes"] and len(set(names)) == len(names)
+    assert tl_kernel.make_flush_func(cfg).script().count("lq_mark") == len(names)
+    assert 2 * (len(names) + 1) <= tl_clock.CTA_WORD, "the counters and the CTA stamps share the pool's header"
+    for mode, (helper, count) in CLOCK_STAMPS.items():
+        script = tl_kernel.make_flush_func(tl_config.FlushConfig(32, gate, "sm_90a", 132, clock=mode)).script()
+        assert script.count(helper) == count, (mode, script.count(helper))
 
 
 def test_config_rejects_other_geometries():
     with pytest.raises(ValueError):
-        tl_kernel.FlushConfig(num_heads=12, gate="kda", arch="sm_90a", num_sms=132)
+        tl_config.FlushConfig(num_heads=12, gate="kda", arch="sm_90a", num_sms=132)
     with pytest.raises(ValueError):
-        tl_kernel.FlushConfig(num_heads=32, gate="mamba", arch="sm_90a", num_sms=132)
+        tl_config.FlushConfig(num_heads=32, gate="mamba", arch="sm_90a", num_sms=132)
+    with pytest.raises(ValueError):
+        tl_config.FlushConfig(num_heads=32, gate="kda", arch="sm_90a", num_sms=132, clock="cycles")
 
 
 # ---- the verifier -------------------------------------------------------------------------------------------------

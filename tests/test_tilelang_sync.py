@@ -1,6 +1,4 @@
-"""Synchronisation of the TileLang kernel, checked on its generated CUDA source (CPU: TileLang lowers it, no nvcc),
-and the compute-sanitizer driver bench/sanitize.py (its arguments, its reading of the tools' output and its child's
-flush on the CPU through the reference backend).
+"""Synchronisation of the TileLang kernel, checked on its generated CUDA source (CPU: TileLang lowers it, no nvcc).
 
 The barrier check walks one iteration of the program loop of the generated source, once per warp of a group, with the
 program's successor present and absent, and records the named barriers each warp passes. Every warp of a group must
@@ -11,15 +9,11 @@ as it counts (what synccheck checks at run time).
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import sys
 
 import pytest
-import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+from leapquant.tilelang import config as tl_config     # no tilelang import: the kernel's geometry
 
 
 # ---- the generated source ----------------------------------------------------------------------------------------
@@ -35,9 +29,9 @@ def kernel_source(kernel, gate: str, heads: int = 32, sms: int = 132) -> str:
     import tilelang  # noqa: F401  (puts its bundled tvm on the path)
     import tvm
     from tilelang.engine.lower import lower
-    cfg = kernel.FlushConfig(num_heads=heads, gate=gate, arch="sm_90a", num_sms=sms)
+    cfg = tl_config.FlushConfig(num_heads=heads, gate=gate, arch="sm_90a", num_sms=sms)
     target = tvm.target.Target(cfg.target)
-    with tvm.transform.PassContext(config=kernel.PASS_CONFIGS), target:
+    with tvm.transform.PassContext(config=tl_config.PASS_CONFIGS), target:
         return lower(kernel.make_flush_func(cfg), target=target).kernel_source
 
 
@@ -133,9 +127,9 @@ def barrier_trace(src: str, tx: int, more: bool) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_every_warp_passes_the_same_barriers(tl_kernel, gate):
     src = kernel_source(tl_kernel, gate)
-    group_threads, warp = tl_kernel.GROUP_THREADS, tl_kernel.WARP
-    for g in range(tl_kernel.GROUPS):
-        group_bar = (tl_kernel.FIRST_GROUP_BARRIER + g, group_threads)
+    group_threads, warp = tl_config.GROUP_THREADS, tl_config.WARP
+    for g in range(tl_config.GROUPS):
+        group_bar = (tl_config.FIRST_GROUP_BARRIER + g, group_threads)
         for more in (False, True):
             traces = {w: barrier_trace(src, g * group_threads + w * warp, more) for w in range(group_threads // warp)}
             # every warp: the same group barriers, and between two of them as many barriers of any kind
@@ -162,137 +156,8 @@ def test_every_warp_passes_the_same_barriers(tl_kernel, gate):
                 assert len(ids) == 3, ids
 
 
-def test_staging_barriers_are_disjoint(tl_kernel):
-    k = tl_kernel
+def test_staging_barriers_are_disjoint():
+    k = tl_config
     ids = [k.FIRST_GROUP_BARRIER + g for g in range(k.GROUPS)] + [k.FIRST_STAGE_BARRIER + g for g in range(k.GROUPS)] \
         + [k.FIRST_ORTH_BARRIER + g for g in range(k.GROUPS)]
     assert len(set(ids)) == len(ids) and 0 not in ids and max(ids) < 16
-
-
-# ---- bench/sanitize.py -------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sanitize():
-    sys.path.insert(0, BENCH)
-    try:
-        import sanitize
-    finally:
-        sys.path.remove(BENCH)
-    return sanitize
-
-
-def test_dry_run_lists_every_run(sanitize, capsys):
-    assert sanitize.main(["--dry-run", "--sanitizer", sys.executable]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
-    assert len(lines) == len(sanitize.TOOLS) * len(sanitize.BACKENDS) * len(sanitize.GATES)
-    for tool in sanitize.TOOLS:
-        mine = [ln for ln in lines if f"--tool {tool} " in ln]
-        assert len(mine) == 4
-        assert all("--error-exitcode 86" in ln and "--child" in ln and "--rows 32 --heads 32" in ln for ln in mine)
-        assert all(("--racecheck-report analysis" in ln) == (tool == "racecheck") for ln in mine)
-
-
-def test_dry_run_subset(sanitize, capsys):
-    assert sanitize.main(["--dry-run", "--sanitizer", sys.executable, "--tools", "racecheck", "--backends", "tilelang",
-                          "--gates", "gdn", "--racecheck-report", "all", "--no-warmup"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    runs = [ln for ln in out if not ln.startswith("#")]
-    assert len(runs) == 1 and "--racecheck-report all" in runs[0] and "--backend tilelang --gate gdn" in runs[0]
-    assert not any("warm-up" in ln for ln in out)
-
-
-def test_bad_arguments(sanitize):
-    for argv in (["--tools", "nope", "--dry-run"], ["--rows", "1", "--dry-run"], ["--due", "0", "--dry-run"], []):
-        with pytest.raises(SystemExit) as exc:
-            sanitize.parse_args(argv)
-        assert exc.value.code == 2
-
-
-ANALYSIS_LOG = """========= COMPUTE-SANITIZER
-[child] footprint ok
-========= Error: Race reported between Write access at leapquant_flush_kernel+0xabc0 in tvm_kernels.cu:752
-=========     and Read access at leapquant_flush_kernel+0xb750 in tvm_kernels.cu:762 [20224 hazards]
-========= Error: Race reported between Write access at leapquant_flush_kernel+0xabd0 in tvm_kernels.cu:752
-=========     and Read access at leapquant_flush_kernel+0xb760 in tvm_kernels.cu:762 [20224 hazards]
-========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)
-"""
-HAZARD_LOG = """========= Error: Potential RAW hazard detected at __shared__ 0x6800 in block (5,0,0) :
-=========     Write Thread (224,0,0) at leapquant_flush_kernel+0xabc0 in tvm_kernels.cu:752
-=========     Read Thread (64,0,0) at leapquant_flush_kernel+0xb750 in tvm_kernels.cu:762
-=========     Current Value : 15
-[child] footprint ok
-========= RACECHECK SUMMARY: 100 hazards displayed (1376288 errors, 0 warnings)
-"""
-
-
-def test_reads_racecheck_reports(sanitize):
-    r = sanitize.Result("racecheck", "tilelang", "kda", [], returncode=86)
-    sanitize.parse_output(ANALYSIS_LOG, r)
-    assert (r.errors, r.warnings, r.hazards) == (2, 0, 40448)
-    assert r.pairs == {"Write tvm_kernels.cu:752 / Read tvm_kernels.cu:762": 40448}
-    assert sanitize.verdict(r) == "ERRORS"
-    r = sanitize.Result("racecheck", "tilelang", "kda", [], returncode=86)
-    sanitize.parse_output(HAZARD_LOG, r)
-    assert (r.errors, r.displayed) == (1376288, 100)
-    assert r.pairs == {"RAW: Write tvm_kernels.cu:752 / Read tvm_kernels.cu:762": 1}
-    clean = "[child] footprint ok\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
-    r = sanitize.Result("racecheck", "triton", "gdn", [], returncode=0)
-    sanitize.parse_output(clean, r)
-    assert (r.errors, r.hazards, sanitize.verdict(r)) == (0, 0, "clean")
-
-
-def test_reads_other_tools_and_failures(sanitize):
-    ok = "[child] footprint ok\n========= ERROR SUMMARY: 0 errors\n"
-    r = sanitize.Result("memcheck", "triton", "kda", [], returncode=0)
-    sanitize.parse_output(ok, r)
-    assert (r.errors, r.hazards, sanitize.verdict(r)) == (0, None, "clean")
-    r = sanitize.Result("initcheck", "tilelang", "kda", [], returncode=86)
-    sanitize.parse_output("========= ERROR SUMMARY: 3 errors\n", r)
-    assert sanitize.verdict(r) == "ERRORS"
-    r = sanitize.Result("synccheck", "tilelang", "gdn", [], returncode=1)      # the child raised
-    sanitize.parse_output("Traceback ...\n========= ERROR SUMMARY: 0 errors\n", r)
-    assert sanitize.verdict(r) == "FAILED (exit 1)"
-    r = sanitize.Result("synccheck", "tilelang", "gdn", [], returncode=0)      # no flush footprint seen
-    sanitize.parse_output("========= ERROR SUMMARY: 0 errors\n", r)
-    assert sanitize.verdict(r) == "NO FLUSH"
-    r = sanitize.Result("memcheck", "tilelang", "gdn", [], timed_out=True)
-    assert sanitize.verdict(r) == "TIMEOUT"
-
-
-def test_outputs_merge(sanitize, tmp_path):
-    args = sanitize.parse_args(["--out", str(tmp_path)])
-    a = sanitize.Result("memcheck", "triton", "kda", ["cs", "a"], returncode=0, errors=0, verdict="clean", log="A")
-    sanitize.write_outputs(str(tmp_path), args, [a], [], [{"commit": "x"}], "")
-    runs, warm, headers = sanitize.load_previous(str(tmp_path))
-    assert [sanitize.key(r) for r in runs] == [("memcheck", "triton", "kda")] and headers == [{"commit": "x"}]
-    b = sanitize.Result("racecheck", "tilelang", "gdn", ["cs", "b"], returncode=86, errors=5, verdict="ERRORS",
-                        pairs={"Write f:1 / Read f:2": 7}, log="B")
-    old_log = (tmp_path / "sanitize.log").read_text()
-    sanitize.write_outputs(str(tmp_path), args, runs + [b], warm, headers + [{"commit": "y"}], old_log)
-    data = json.loads((tmp_path / "summary.json").read_text())
-    assert [(r["tool"], r["verdict"]) for r in data["runs"]] == [("memcheck", "clean"), ("racecheck", "ERRORS")]
-    md = (tmp_path / "summary.md").read_text()
-    assert "| racecheck | tilelang | gdn | 5 |" in md and "Write f:1 / Read f:2: 7 racing accesses" in md
-    log = (tmp_path / "sanitize.log").read_text()
-    assert log.count("===== memcheck triton kda") == 1 and "===== racecheck tilelang gdn" in log
-
-
-@pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_child_flush_on_cpu(sanitize, gate, capsys):
-    """The child's pool, call and footprint check, through the reference backend on the CPU."""
-    args = sanitize.parse_args(["--child", "--backend", "reference", "--gate", gate, "--device", "cpu",
-                                "--rows", "3", "--heads", "4", "--seed", "1"])
-    assert sanitize.child(args) == 0
-    assert sanitize.CHILD_OK in capsys.readouterr().out
-
-
-def test_child_pool_and_footprint_check(sanitize):
-    from leapquant.layout import L
-    pool, idx, due = sanitize.build_pool(5, 4, "kda", 0.5, seed=3)
-    assert sorted(idx.tolist()) == [0, 1, 2, 3, 4] and not due[0].any() and due.any() and (~due[1:]).any()
-    assert (pool.hcnt[due] == L).all() and (pool.hcnt[~due] < L).all()
-    after = sanitize.pool_to(pool, "cpu")
-    assert after.raw.data_ptr() != pool.raw.data_ptr()
-    assert "no due checkpoint changed (did the kernel run?)" in sanitize.check_footprint(pool, after, due)
-    after.w[~due] += 1.0
-    assert "window tensor w of a program not due changed" in sanitize.check_footprint(pool, after, due)
-    assert torch.equal(pool.hcnt, after.hcnt)

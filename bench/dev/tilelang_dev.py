@@ -1,14 +1,21 @@
-"""Development bench of the TileLang backend: precompile, criterion sweep, and a per-phase time breakdown.
+"""Development bench of the TileLang backend: precompile, criterion sweep, per-phase time estimates, A/B of versions.
 
-    python bench/tilelang_dev.py precompile --arch sm_90a --sms 132      # fill TileLang's disk cache (no GPU needed)
-    python bench/tilelang_dev.py check [--batches 16 64 256 512]         # SPEC criterion, every family, both gates
-    python bench/tilelang_dev.py phases [--batch 256] [--gate kda]       # profiling builds: one phase left out each
-    python bench/tilelang_dev.py ab OLD_kernel.py leapquant/tilelang/kernel.py   # A/B of kernel versions, one run
+    python bench/dev/tilelang_dev.py precompile --arch sm_90a --sms 132     # fill TileLang's disk cache (no GPU needed)
+    python bench/dev/tilelang_dev.py check [--batches 16 64 256 512]        # the criterion, every family, both gates
+    python bench/dev/tilelang_dev.py phases [--batch 256] [--gate kda]      # profiling builds: one phase doubled each
+    python bench/dev/tilelang_dev.py ab OLD NEW [--verify kda gdn]          # A/B of kernel versions, one run
 
-``phases`` builds variants of the kernel in which one phase runs twice (a *profiling build*: the
-shipped kernel has no switches), times them like the benchmark (L2-cold, 8 rotated slot sets, CUDA graph replay,
-CUDA events, median), and reports variant - full as the phase's cost. Phases overlap across the two consumer groups
-and with memory traffic, so the differences are an estimate, not an exact partition.
+``phases`` builds variants of the kernel in which one phase runs twice or not at all (a *profiling build*: the
+program loop calls its phases through a ``Phases`` object, :mod:`leapquant.tilelang.kernel`, and a variant replaces
+some; the shipped kernel has no switches), times them like the benchmark (L2-cold, 8 rotated slot sets, CUDA graph
+replay, CUDA events, median), and reports variant - full as the phase's cost. Phases overlap across the two consumer
+groups and with memory traffic, so the differences are an estimate, not an exact partition.
+
+``ab`` takes kernel generators of several versions: a copy of the package directory leapquant/tilelang/ (e.g.
+``mkdir OLD && git archive REV leapquant/tilelang | tar -x -C OLD``, then ``OLD/leapquant/tilelang``) or, for
+versions whose generator was one file, that file (``git show REV:leapquant/tilelang/kernel.py > OLD.py``). Each is
+imported inside the installed leapquant package (its ``..layout`` and ``..numerics`` are the installed ones) and
+called with the installed backend's arguments.
 """
 from __future__ import annotations
 
@@ -18,42 +25,42 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
-#: the staging's units (the round's first program: stage_program; the others: the pieces the staging warps run)
-STAGING = ("stage_program", "stage_window_half", "stage_column", "stage_row")
+#: the staging's units (the round's first program: stage; the others: the pieces the staging warps run)
+STAGING = ("stage", "stage_window_half", "stage_column", "stage_row")
 PROFILE_VARIANTS = {
     # name: (phases run twice, phases replaced by empty units). Only phases that are idempotent are repeated (the
     # program's data stays the same, so no variant wanders into NaN/denormal slow paths); a phase's cost is
     # variant - full. ranking_only keeps the due-program ranking and nothing else (nothing is written).
     "full": ((), ()),
-    "x2_rebuild": (("rebuild_state",), ()),
-    "x2_products": (("project_columns", "project_rows", "sum_partials"), ()),
-    "x2_gram": (("gram_partials",), ()),
-    "x2_tokens": (("emit_tokens",), ()),
-    "x2_row_scales": (("row_scales",), ()),
-    "x2_codes": (("store_codes",), ()),
+    "x2_rebuild": (("rebuild",), ()),
+    "x2_project": (("project_t", "project", "sum_partials"), ()),
+    "x2_gram": (("gram",), ()),
+    "x2_tokens": (("tokens",), ()),
+    "x2_scales_v": (("scales_v",), ()),
+    "x2_codes": (("codes",), ()),
     # not idempotent but numerically harmless (the second pass works on finite data of the same scale)
     "x2_residual": (("residual",), ()),
-    "x2_column_scales": (("column_scales",), ()),
+    "x2_scales_k": (("scales_k",), ()),
     # the staging left out: the flush computes on whatever the shared memory holds (its cost: full - no_stage)
     "no_stage": ((), STAGING),
-    "ranking_only": ((), STAGING + ("load_codes", "rebuild_state", "project_columns", "project_rows",
-                                    "sum_partials", "gram_partials", "cholesky_apply", "emit_tokens", "residual",
-                                    "column_scales", "row_scales", "store_codes")),
+    "ranking_only": ((), STAGING + ("load_codes", "rebuild", "project_t", "project", "sum_partials", "gram",
+                                    "cholesky", "store_basis", "tokens", "residual", "scales_k", "scales_v",
+                                    "codes")),
 }
 PRECOMPILE_HEADS = (32, 16, 8)
 
 
-def profiling_phases(cfg, variant):
+def profiling_phases(variant):
     """The kernel's phases with those of ``variant`` (see PROFILE_VARIANTS) repeated or emptied."""
     import tilelang.language as T
 
-    from leapquant.tilelang.kernel import flush_phases
+    from leapquant.tilelang.kernel import Phases
     twice, skip = variant
-    ph = flush_phases(cfg)
+    ph = Phases()
 
     @T.macro
     def empty(*args):
@@ -74,7 +81,8 @@ def profiling_phases(cfg, variant):
 
 
 def cmd_precompile(args) -> None:
-    from leapquant.tilelang.kernel import FlushConfig, compile_flush
+    from leapquant.tilelang.config import FlushConfig
+    from leapquant.tilelang.kernel import compile_flush
     for heads in args.heads:
         for gate in args.gates:
             t0 = time.time()
@@ -86,7 +94,7 @@ def cmd_precompile(args) -> None:
             if name != "full":
                 cfg = FlushConfig(32, args.profile_gate, args.arch, args.sms)
                 t0 = time.time()
-                compile_flush(cfg, profiling_phases(cfg, variant))
+                compile_flush(cfg, profiling_phases(variant))
                 print(f"built profiling variant {name}: {time.time() - t0:.1f} s", flush=True)
 
 
@@ -148,8 +156,8 @@ def _timing_pool(batch, gate, due):
 
     def call(kern, s):
         kern(*args, q0, sets[s])
-    call.pool = pool                        # for tools that read the pool back (bench/tilelang_clock.py)
-    call.sets = sets                        # the slot sets' idx (bench/ncu_profile.py calls other backends on them)
+    call.pool = pool                        # for tools that read the pool back (tilelang_clock.py)
+    call.sets = sets                        # the slot sets' idx (ncu_profile.py calls other backends on them)
     return config_for(pool), nsets, call
 
 
@@ -169,7 +177,7 @@ def _time_kernels(kernels, args):
 def cmd_phases(args) -> int:
     from leapquant.tilelang.kernel import compile_flush
     cfg, args.nsets, args.call = _timing_pool(args.batch, args.gate, args.due)
-    kernels = ((name, compile_flush(cfg, profiling_phases(cfg, v) if name != "full" else None))
+    kernels = ((name, compile_flush(cfg, profiling_phases(v) if name != "full" else None))
                for name, v in PROFILE_VARIANTS.items())
     results = _time_kernels(kernels, args)
     full = results["full"]
@@ -183,18 +191,42 @@ def cmd_phases(args) -> int:
     return 0
 
 
-def load_kernel_module(path, package="leapquant.tilelang"):
-    """A kernel module from a file (e.g. an older commit's leapquant/tilelang/kernel.py, written out with
-    ``git show REV:leapquant/tilelang/kernel.py > FILE``), imported inside ``package`` so its relative imports work."""
+def load_kernel_module(path, package="leapquant"):
+    """The kernel generator module of another version: ``path`` a copy of the package directory leapquant/tilelang/
+    (its ``kernel`` module is returned) or a single generator file. It is imported as a module (directory: a package)
+    inside ``package``, under a name of its own, so that its relative imports of the package's other modules work
+    (``..layout``, ``..numerics``: the installed ones) and nothing of the installed backend is replaced; a directory's
+    ``__init__`` is not run (it would register a second backend)."""
+    import hashlib
+    import importlib
     import importlib.util
+    import types
 
     importlib.import_module(package)                  # the parent package of the loaded module
-    name = f"{package}._ab_" + os.path.basename(path).replace(".", "_").replace("-", "_")
+    stem = os.path.basename(os.path.normpath(path)).replace(".", "_").replace("-", "_")
+    if os.path.isdir(path):
+        digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]
+        name = f"{package}._ab_{stem}_{digest}"
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [os.path.abspath(path)]
+            pkg.__package__ = name
+            sys.modules[name] = pkg
+        return importlib.import_module(name + ".kernel")
+    if package == "leapquant":                      # a single file's relative imports are ``..layout``
+        package = "leapquant.tilelang"
+        importlib.import_module(package)
+    name = f"{package}._ab_{stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def label(path):
+    """A kernel version's name in the tables: a file's name, a directory's path."""
+    return os.path.basename(path) if os.path.isfile(path) else os.path.normpath(path)
 
 
 def _judge_case(case, name):
@@ -218,14 +250,14 @@ def _verify_variant(mod, path, gates) -> bool:
         saved = lt._KERNELS.get(cfg)
         lt._KERNELS[cfg] = mod.compile_flush(mod.FlushConfig(32, gate, cfg.arch, cfg.num_sms))
         try:
-            v = _judge_case(families.make_case(8, 32, gate, seed=5).to(dev), f"{os.path.basename(path)} {gate}")
+            v = _judge_case(families.make_case(8, 32, gate, seed=5).to(dev), f"{label(path)} {gate}")
         finally:
             if saved is None:
                 lt._KERNELS.pop(cfg)
             else:
                 lt._KERNELS[cfg] = saved
         ok &= v.passed
-        print(f"verify {os.path.basename(path)} {gate}: {'PASS' if v.passed else 'FAIL'} worst score "
+        print(f"verify {label(path)} {gate}: {'PASS' if v.passed else 'FAIL'} worst score "
               f"{v.worst_score:.4f} :: {v.message}", flush=True)
     return ok
 
@@ -242,7 +274,7 @@ def cmd_ab(args) -> int:
         for i, path in enumerate(args.kernels):
             mod = load_kernel_module(path)
             rep = args.kernels[:i].count(path)          # a file named twice (ABAB) is timed twice, reported twice
-            kernels.append((f"{os.path.basename(path)}{f'#{rep + 1}' if rep else ''}:{due}", mod.compile_flush(
+            kernels.append((f"{label(path)}{f'#{rep + 1}' if rep else ''}:{due}", mod.compile_flush(
                 mod.FlushConfig(cfg.num_heads, cfg.gate, cfg.arch, cfg.num_sms))))
         rows += _time_kernels(kernels, args).items()
     print("\n| kernel:due | median us |\n| --- | --- |")
@@ -273,7 +305,7 @@ def main() -> int:
     f.add_argument("--repeats", type=int, default=50)
     f.add_argument("--json", default=None)
     ab = sub.add_parser("ab")
-    ab.add_argument("kernels", nargs="+", help="kernel generator files (leapquant/tilelang/kernel.py of each version)")
+    ab.add_argument("kernels", nargs="+", help="kernel generators: copies of leapquant/tilelang/ or single files")
     ab.add_argument("--batch", type=int, default=256)
     ab.add_argument("--gate", default="kda")
     ab.add_argument("--due", nargs="+", default=["all", "sixteenth"])

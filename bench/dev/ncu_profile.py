@@ -1,12 +1,12 @@
 """One flush call inside a CUDA profiler range, for Nsight Compute (hardware counters, warp-stall sampling).
 
     ncu --clock-control none --profile-from-start off --set full --import-source yes -o REPORT -f \\
-        python3 bench/ncu_profile.py --backend tilelang --batch 256 --due all
-    python3 bench/ncu_profile.py --summarize REPORT.ncu-rep        # stall reasons, issue rate, pipes (text)
+        python3 bench/dev/ncu_profile.py --backend tilelang --batch 256 --due all
+    python3 bench/dev/ncu_profile.py --summarize REPORT.ncu-rep    # stall reasons, issue rate, pipes (text)
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass > SASS.csv
-    python3 bench/ncu_profile.py --segments SASS.csv               # per segment between barriers: samples, opcodes
+    python3 bench/dev/ncu_profile.py --segments SASS.csv           # per segment between barriers: samples, opcodes
 
-The call is the benchmark's (bench/tilelang_dev.py's timing pool: 8 disjoint slot sets of ``batch`` rows x 32
+The call is the benchmark's (tilelang_dev.py's timing pool: 8 disjoint slot sets of ``batch`` rows x 32
 heads, in-domain noise); two calls on other slot sets come first (compilation, module load, a warm TLB), so the
 profiled call is L2-cold for its own slots like every timed call. ncu replays the kernel with its memory restored.
 """
@@ -19,13 +19,14 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(args) -> None:
     import torch
 
-    from bench.tilelang_dev import _timing_pool
+    from tilelang_dev import _timing_pool
     from leapquant import flush_inplace
     from leapquant.reference import default_q0
     cfg, _, call = _timing_pool(args.batch, args.gate, args.due)

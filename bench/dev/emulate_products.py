@@ -1,6 +1,6 @@
 """CPU emulation: which of the flush's three products tolerate the state truncated to tf32 (one tensor-core pass)?
 
-    python bench/emulate_products.py [SEEDS]
+    python bench/dev/emulate_products.py [SEEDS]
 
 Runs the fp32 reference's compress with S replaced by its tf32 truncation (the top 11 significant bits: what an
 m16n8k8 tf32 mma reads of an fp32 operand) in P = S^T q0, in S P, in U = S^T Q, or in several, on
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from leapquant import families  # noqa: E402
 from leapquant.reference import encode, orthonormalize, rebuild  # noqa: E402
