@@ -3,6 +3,7 @@
     pool = leapquant.Pool(num_slots, num_heads=32, device="cuda", gate="kda")
     leapquant.flush_inplace(pool, idx, q0)                 # deployment form, in place, CUDA-graph safe
     codes, s_k, s_v, u, q = leapquant.run(...)              # functional form (every program due)
+    leapquant.step_inplace(pool, idx, qkv, a, b, A_log, dt_bias, out)   # the decode step (SPEC section 7)
 
 See README.md for shapes, backends and environment variables.
 
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 #: public name -> the submodule that defines it
 _LAZY = {
     "backend_info": "api", "device_description": "api", "flush_inplace": "api", "run": "api", "run_gdn": "api",
-    "versions": "api", "warmup": "api",
+    "step": "api", "step_gdn": "api", "step_inplace": "api", "versions": "api", "warmup": "api",
     "EPS": "layout", "K": "layout", "L": "layout", "OFF": "layout", "QMAX": "layout", "R": "layout", "V": "layout",
     "Pool": "layout",
     "default_q0": "reference",
@@ -35,10 +36,12 @@ _SUBMODULES = ("api", "layout", "reference", "validate")
 __all__ = [
     "Pool", "flush_inplace", "run", "run_gdn", "warmup", "use_backend", "backend_info", "versions",
     "device_description", "default_q0", "BackendUnavailable", "BACKENDS", "V", "K", "L", "R", "QMAX", "EPS", "OFF",
+    "step_inplace", "step", "step_gdn",
 ]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager form
-    from .api import backend_info, device_description, flush_inplace, run, run_gdn, versions, warmup
+    from .api import (backend_info, device_description, flush_inplace, run, run_gdn, step, step_gdn, step_inplace,
+                      versions, warmup)
     from .layout import EPS, K, L, OFF, QMAX, R, V, Pool
     from .reference import default_q0
 

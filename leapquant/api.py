@@ -1,12 +1,15 @@
 """Public entry points: the deployment form :func:`flush_inplace` and the functional forms :func:`run` (KDA) and
-:func:`run_gdn` (GDN), both of which go through the dispatch."""
+:func:`run_gdn` (GDN), both of which go through the dispatch; the decode step's deployment form
+:func:`step_inplace` and its functional forms :func:`step` (KDA) and :func:`step_gdn` (GDN), through the dispatch's
+``op="step"``."""
 from __future__ import annotations
 
 import torch
 
 from . import dispatch
-from .layout import L, Pool
-from .validate import check_flush_args, check_pool, check_run_args
+from .layout import L, V, Pool
+from .validate import (check_flush_args, check_flag, check_pool, check_run_args, check_step_args,
+                       check_step_run_args)
 
 
 @torch.compiler.disable
@@ -83,6 +86,107 @@ def run_gdn(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.
                 backend)
 
 
+# ---- the decode step (SPEC section 7) ------------------------------------------------------------------------------
+@torch.compiler.disable
+def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor | None = None, *,
+                 num_k_heads: int | None = None, beta_bf16: bool = True, backend: str | None = None,
+                 check_idx: bool | None = None) -> torch.Tensor:
+    """One decode step of every head of the rows in ``idx``, on the pool, in place (SPEC section 7). Returns ``out``.
+
+    pool: :class:`Pool` (KDA or GDN; H heads). idx: int32 [N] on the pool's device, the slot of each row (``<= 0``: no
+    sequence: zero output, nothing written; slots >= num_slots are skipped the same way). qkv: bf16 [N, W], one row
+    per sequence laid out ``(q | k | v)`` = Hk*K query, Hk*K key and H*V value elements, W = 2 Hk K + H V (rows at any
+    stride >= W, each row dense). a: bf16 [N, H, K] (KDA, a gate per key channel) or [N, H] (GDN), the gate
+    pre-activation; b: bf16 [N, H], beta's pre-activation (rows at any stride, each row dense). A_log: fp32 [H];
+    dt_bias: fp32 [H, K] (KDA) or [H] (GDN). out: bf16 [N, H, V] contiguous, written for every row (allocated when
+    None; a captured graph passes its own). num_k_heads: Hk (None: H for KDA; GDN: from qkv's width), H % Hk == 0,
+    value head j reads key head j // (H // Hk) (GDN's GQA; KDA has Hk = H). beta_bf16: round beta = sigmoid(b) to
+    bf16 as the models carry it (False: keep fp32, as vLLM).
+
+    Each stepped program (slot, head) with fill count h (``hcnt``; L, "just flushed, empty", counts as 0) appends
+    entry h of its window: ``kbuf[h] = kn`` (bf16), ``ubuf[h] = u_new`` (bf16), KDA ``gbuf[h] = exp(g)`` (fp16) and
+    ``pcum += g``, GDN ``p *= at`` and the live weights ``w[j < h] *= at``; ``w[h] = 1``; ``hcnt = h + 1``. Nothing
+    else changes (the checkpoint is only read). The step that makes ``hcnt == L`` leaves the program due: the flush
+    must run before its next step.
+
+    The checks read metadata only (no host synchronisation; idx's values only with ``check_idx`` or
+    ``LEAPQUANT_CHECK_IDX``, as :func:`flush_inplace`); bad arguments raise ``ValueError`` naming the argument before
+    anything is written. backend: as :func:`flush_inplace`; a backend without a step kernel cannot serve (today only
+    the reference, which synchronises)."""
+    hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
+    chosen = dispatch.select(pool, idx.numel(), backend, op="step")
+    if out is None:
+        out = torch.empty(idx.numel(), pool.num_heads, V, dtype=torch.bfloat16, device=pool.device)
+    chosen.step(pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
+    return out
+
+
+def _step_run(gate: str, args: dict[str, torch.Tensor], num_k_heads: int | None, beta_bf16: bool,
+              backend: str | None) -> tuple[torch.Tensor, ...]:
+    """The functional step through the deployment form: the inputs loaded into a scratch pool, one step_inplace,
+    the appended entries and the gate state read back."""
+    B, H, hk, dev = check_step_run_args(gate, args, num_k_heads)
+    check_flag("beta_bf16", beta_bf16)
+    pool = _scratch_pool(B, H, dev, gate)
+    rows = torch.arange(1, B + 1, device=dev)
+    pool.write_checkpoint(rows, args["codes"], args["s_k"], args["s_v"], args["u"], args["q"])
+    gate_arg = args["pcum"] if gate == "kda" else args["p"]
+    pool.write_window(rows, args["kbuf"], args["ubuf"], args["w"], gate_arg, args.get("gbuf"), fill=0)
+    h = args["h"]
+    pool.hcnt[rows] = h
+    qkv = torch.cat([args["qx"].reshape(B, -1), args["kx"].reshape(B, -1), args["vx"].reshape(B, -1)], dim=1)
+    out = torch.empty(B, H, V, dtype=torch.bfloat16, device=dev)
+    step_inplace(pool, rows.to(torch.int32), qkv, args["a"], args["b"], args["A_log"], args["dt_bias"], out,
+                 num_k_heads=hk, beta_bf16=beta_bf16, backend=backend)
+    entry = torch.where(h == L, torch.zeros_like(h), h).long()          # the entry the step appended
+    si = rows.unsqueeze(1).expand(B, H)
+    hi = torch.arange(H, device=dev).unsqueeze(0).expand(B, H)
+    head = (out, pool.kbuf[si, hi, entry], pool.ubuf[si, hi, entry])
+    if gate == "kda":
+        return head + (pool.gbuf[si, hi, entry], pool.w[rows], pool.pcum[rows])
+    return head + (pool.w[rows], pool.p[rows])
+
+
+def step(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+         kbuf: torch.Tensor, ubuf: torch.Tensor, gbuf: torch.Tensor, w: torch.Tensor, pcum: torch.Tensor,
+         h: torch.Tensor, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+         A_log: torch.Tensor, dt_bias: torch.Tensor, *, beta_bf16: bool = True,
+         backend: str | None = None) -> tuple[torch.Tensor, ...]:
+    """Functional KDA decode step (SPEC section 7), leading dims [B, H], through the dispatch.
+
+    The checkpoint: codes int8 [B, H, V, K], s_k fp32 [B, H, K], s_v fp32 [B, H, V], u fp16 [B, H, R, K], q fp16
+    [B, H, R, V]. The window: kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32
+    [B, H, L], pcum fp32 [B, H, K], the fill count h int32 [B, H] in [0, L] (L: just flushed, read as 0; entries at
+    and past h are ignored). The token: qx, kx bf16 [B, H, K], vx bf16 [B, H, V], a bf16 [B, H, K], b bf16 [B, H];
+    A_log fp32 [H], dt_bias fp32 [H, K]. beta_bf16: as :func:`step_inplace`.
+
+    Returns fresh ``(o bf16 [B, H, V], k_row bf16 [B, H, K], u_row bf16 [B, H, V], g_row fp16 [B, H, K], w_new fp32
+    [B, H, L], pcum_new fp32 [B, H, K])``: the output, the window entry the step appends (kn, u_new, exp(g)), the
+    weights with ``w[h] = 1`` and ``pcum + g``."""
+    return _step_run("kda", dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, kbuf=kbuf, ubuf=ubuf, gbuf=gbuf, w=w,
+                                 pcum=pcum, h=h, qx=qx, kx=kx, vx=vx, a=a, b=b, A_log=A_log, dt_bias=dt_bias),
+                     None, beta_bf16, backend)
+
+
+def step_gdn(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+             kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor, p: torch.Tensor, h: torch.Tensor,
+             qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             A_log: torch.Tensor, dt_bias: torch.Tensor, *, beta_bf16: bool = True, num_k_heads: int | None = None,
+             backend: str | None = None) -> tuple[torch.Tensor, ...]:
+    """Functional GDN decode step (SPEC section 7), leading dims [B, H], through the dispatch.
+
+    As :func:`step` with one gate per head: no gbuf / pcum but the gate product p fp32 [B, H]; qx, kx bf16
+    [B, Hk, K] with Hk key heads dividing H (GQA: value head j reads key head j // (H // Hk); ``num_k_heads``, when
+    given, must equal Hk); a bf16 [B, H]; dt_bias fp32 [H].
+
+    Returns fresh ``(o bf16 [B, H, V], k_row bf16 [B, H, K], u_row bf16 [B, H, V], w_new fp32 [B, H, L], p_new fp32
+    [B, H])``: w_new has the live weights (j < h) decayed by ``at = exp(g)`` and ``w[h] = 1``; ``p_new = p * at``."""
+    return _step_run("gdn", dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, kbuf=kbuf, ubuf=ubuf, w=w, p=p, h=h,
+                                 qx=qx, kx=kx, vx=vx, a=a, b=b, A_log=A_log, dt_bias=dt_bias),
+                     num_k_heads, beta_bf16, backend)
+
+
 def versions() -> dict[str, str]:
     """Python, torch, triton and tilelang versions ("not installed" where absent), read without importing them."""
     return dispatch.versions()
@@ -94,11 +198,12 @@ def device_description(device: torch.device | str | None = None) -> str:
 
 
 def backend_info(device: torch.device | str | None = None, num_heads: int = 32, gate: str = "kda",
-                 num_rows: int = 256) -> list[dict]:
-    """Every backend, available or not, with the reasons it cannot serve a pool of this geometry on ``device``:
-    dicts with ``name``, ``available``, ``reasons``, ``auto_rank`` (1 = auto's first choice, None = never auto),
-    ``description`` and ``versions``."""
-    return dispatch.backend_info(device, num_heads=num_heads, gate=gate, num_rows=num_rows)
+                 num_rows: int = 256, op: str = "flush") -> list[dict]:
+    """Every backend, available or not, with the reasons it cannot serve ``op`` (``"flush"`` or ``"step"``) on a pool
+    of this geometry on ``device``: dicts with ``name``, ``available``, ``reasons``, ``auto_rank`` (1 = auto's first
+    choice, None = never auto), ``description`` and ``versions``."""
+    return dispatch.backend_info(device, num_heads=num_heads, gate=gate, num_rows=num_rows, op=op)
 
 
-__all__ = ["flush_inplace", "run", "run_gdn", "warmup", "backend_info", "versions", "device_description"]
+__all__ = ["flush_inplace", "run", "run_gdn", "step_inplace", "step", "step_gdn", "warmup", "backend_info",
+           "versions", "device_description"]

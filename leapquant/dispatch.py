@@ -2,6 +2,10 @@
 
 Every backend implements the same call, ``flush(pool, idx, q0) -> None`` (the pool updated in place; arguments
 already validated), and says why it cannot serve a pool through ``reasons(pool) -> list[str]`` (empty: it can).
+The decode step is a second op with the same rules: a backend's optional ``step(pool, idx, qkv, a, b, A_log, dt_bias,
+out, num_k_heads, beta_bf16) -> None`` (None: it has no step kernel yet, which is then its reason), and optionally its
+own ``step_reasons(pool)`` (default: the flush's ``reasons``). :func:`select` and :func:`reasons` take ``op="flush"``
+or ``op="step"`` (default ``"flush"``, so every flush call reads as before).
 
 Choice, in this order of precedence:
   * ``backend=`` on the call, or an enclosing ``with leapquant.use_backend(name):``;
@@ -40,6 +44,10 @@ log = logging.getLogger("leapquant")
 
 BACKENDS = ("reference", "triton", "tilelang")
 CHOICES = ("auto",) + BACKENDS
+#: the ops a backend can serve: the flush (every backend) and the decode step (where ``Backend.step`` is set)
+OPS = ("flush", "step")
+#: GPU backends ``auto`` tries for the step, in order (no step kernel is measured yet; the reference follows last)
+STEP_AUTO_ORDER = ("triton", "tilelang")
 ENV_VAR = "LEAPQUANT_BACKEND"
 
 #: read once at import: later changes of the environment do not move the choice (use ``backend=`` or use_backend)
@@ -63,6 +71,11 @@ class Backend:
     description: str = ""
     warmup: Callable[[Pool], None] | None = None
     versions: Callable[[], dict[str, str]] = field(default=lambda: {})
+    #: the decode step on a pool (arguments validated, ``out`` given): ``step(pool, idx, qkv, a, b, A_log, dt_bias,
+    #: out, num_k_heads, beta_bf16) -> None``; None: no step kernel yet
+    step: Callable[..., None] | None = None
+    #: why the step cannot serve a pool, where it differs from ``reasons`` (None: the flush's reasons apply)
+    step_reasons: Callable[[Pool], list[str]] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -94,6 +107,7 @@ def _register_reference() -> None:
         reasons=lambda pool: [],
         description="fp32 torch, any device (the semantic definition; slow, host-synchronising)",
         versions=lambda: {"torch": torch.__version__},
+        step=reference.step_inplace,
     ))
 
 
@@ -113,13 +127,23 @@ def get_backend(name: str) -> Backend | None:
     return _load(name)
 
 
-def reasons(name: str, pool: Pool) -> list[str]:
-    """Why backend ``name`` cannot serve ``pool`` (empty list: it can)."""
+def _check_op(op: object) -> str:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}: expected one of {', '.join(OPS)}")
+    return op
+
+
+def reasons(name: str, pool: Pool, op: str = "flush") -> list[str]:
+    """Why backend ``name`` cannot serve ``op`` (``"flush"`` or ``"step"``) on ``pool`` (empty list: it can)."""
+    _check_op(op)
     b = get_backend(name)
     if b is None:
         return [_IMPORT_ERRORS.get(name, f"backend {name!r} is not registered")]
+    if op == "step" and b.step is None:
+        return [f"{name} has no step kernel yet (the decode step is served by the reference only)"]
+    check = b.step_reasons if op == "step" and b.step_reasons is not None else b.reasons
     try:
-        return list(b.reasons(pool))
+        return list(check(pool))
     except Exception as e:
         return [f"capability check failed: {type(e).__name__}: {e}"]
 
@@ -166,57 +190,73 @@ def env_problem() -> str | None:
     return None
 
 
-def auto_order(pool: Pool, num_rows: int) -> list[str]:
-    """Backends in order of preference for this pool and call size (``num_rows`` = len(idx)).
+def auto_order(pool: Pool, num_rows: int, op: str = "flush") -> list[str]:
+    """Backends in order of preference for this pool, call size (``num_rows`` = len(idx)) and op.
 
     The reference is always last. The Triton interpreter is never chosen automatically: on a CPU only the reference
-    serves."""
+    serves. The flush's GPU order comes from committed measurements (:mod:`leapquant.perf_table`); the step's is
+    :data:`STEP_AUTO_ORDER` until step kernels are measured."""
     if pool.device.type != "cuda":
         return ["reference"]
+    if _check_op(op) == "step":
+        return list(STEP_AUTO_ORDER) + ["reference"]
     from . import perf_table
     return perf_table.preferred(pool, num_rows) + ["reference"]
 
 
-def select(pool: Pool, num_rows: int, backend: str | None = None) -> Backend:
-    """The backend that will run a flush of ``num_rows`` rows on ``pool``."""
+def _auto_order(pool: Pool, num_rows: int, op: str) -> list[str]:
+    # the flush calls auto_order with its historical two arguments (tests replace it with two-argument stand-ins)
+    return auto_order(pool, num_rows) if op == "flush" else auto_order(pool, num_rows, op)
+
+
+def select(pool: Pool, num_rows: int, backend: str | None = None, op: str = "flush") -> Backend:
+    """The backend that will run ``op`` (``"flush"``, the default, or ``"step"``) on ``num_rows`` rows of ``pool``."""
+    _check_op(op)
     name = requested(backend)
-    key = (str(pool.device), pool.gate, pool.num_heads, name, num_rows)
+    key = (str(pool.device), pool.gate, pool.num_heads, name, num_rows, op)
     chosen = _CHOSEN.get(key)
     if chosen is not None and _REGISTRY.get(chosen.name) is chosen:
         return chosen
-    chosen = _resolve(pool, num_rows, name)
+    chosen = _resolve(pool, num_rows, name, op)
     _CHOSEN[key] = chosen
     return chosen
 
 
-def _resolve(pool: Pool, num_rows: int, name: str) -> Backend:
+def _reasons(name: str, pool: Pool, op: str) -> list[str]:
+    # the flush calls reasons with its historical two arguments (tests replace it with two-argument stand-ins)
+    return reasons(name, pool) if op == "flush" else reasons(name, pool, op)
+
+
+def _resolve(pool: Pool, num_rows: int, name: str, op: str = "flush") -> Backend:
+    what = "" if op == "flush" else f" the {op} op on"
     if name != "auto":
-        why = reasons(name, pool)
+        why = _reasons(name, pool, op)
         if why:
-            raise BackendUnavailable(f"backend {name!r} was forced but cannot serve {pool}:\n  - "
+            raise BackendUnavailable(f"backend {name!r} was forced but cannot serve{what} {pool}:\n  - "
                                      + "\n  - ".join(why))
         return _REGISTRY[name]
     rejected: dict[str, list[str]] = {}
-    for cand in auto_order(pool, num_rows):
-        why = reasons(cand, pool)
+    for cand in _auto_order(pool, num_rows, op):
+        why = _reasons(cand, pool, op)
         if not why:
-            _log_choice(pool, cand, rejected)
+            _log_choice(pool, cand, rejected, op)
             return _REGISTRY[cand]
         rejected[cand] = why
     lines = [f"{n}: {'; '.join(r)}" for n, r in rejected.items()]
-    raise BackendUnavailable("no backend can serve " + repr(pool) + ":\n  - " + "\n  - ".join(lines))
+    raise BackendUnavailable(f"no backend can serve{what} " + repr(pool) + ":\n  - " + "\n  - ".join(lines))
 
 
-def _log_choice(pool: Pool, name: str, rejected: dict[str, list[str]]) -> None:
-    key = (str(pool.device), pool.gate, pool.num_heads, name)
+def _log_choice(pool: Pool, name: str, rejected: dict[str, list[str]], op: str = "flush") -> None:
+    key = (str(pool.device), pool.gate, pool.num_heads, name) + (() if op == "flush" else (op,))
     if key in _LOGGED:
         return
     _LOGGED.add(key)
     for other, why in rejected.items():
-        log.info("[leapquant] flush: %s skipped on %s: %s", other, pool.device, "; ".join(why))
-    log.info("[leapquant] flush -> %s (%s, gate=%s, heads=%d)", name, pool.device, pool.gate, pool.num_heads)
+        log.info("[leapquant] %s: %s skipped on %s: %s", op, other, pool.device, "; ".join(why))
+    log.info("[leapquant] %s -> %s (%s, gate=%s, heads=%d)", op, name, pool.device, pool.gate, pool.num_heads)
     if name == "reference" and pool.device.type == "cuda":
-        warnings.warn(f"leapquant: no GPU kernel can serve {pool} ("
+        what = "" if op == "flush" else f" the {op} op on"
+        warnings.warn(f"leapquant: no GPU kernel can serve{what} {pool} ("
                       + "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
                       + "); using the slow fp32 reference", RuntimeWarning, stacklevel=4)
 
@@ -269,16 +309,18 @@ def device_description(device: torch.device | str | None = None) -> str:
 
 
 def backend_info(device: torch.device | str | None = None, num_heads: int = 32, gate: str = "kda",
-                 num_rows: int = 256) -> list[dict]:
-    """Every backend, available or not, with the reasons it cannot serve a pool of this geometry on ``device``.
+                 num_rows: int = 256, op: str = "flush") -> list[dict]:
+    """Every backend, available or not, with the reasons it cannot serve ``op`` (``"flush"`` or ``"step"``) on a
+    pool of this geometry on ``device``.
 
     A backend whose package is not installed is reported from its metadata without importing its module."""
     import torch
 
     from .layout import Pool
+    _check_op(op)
     device = torch.device(device) if device is not None else default_device()
     probe = Pool(2, num_heads, device=device, gate=gate)
-    order = auto_order(probe, num_rows)
+    order = _auto_order(probe, num_rows, op)
     rows = []
     for name in BACKENDS:
         package = _PACKAGES.get(name)
@@ -286,7 +328,7 @@ def backend_info(device: torch.device | str | None = None, num_heads: int = 32, 
             why = [f"{package} is not installed (pip install 'leapquant[{name}]')"]
             b = None
         else:
-            why = reasons(name, probe)
+            why = _reasons(name, probe, op)
             b = _REGISTRY.get(name)
         rows.append(dict(name=name, available=not why, reasons=why,
                          auto_rank=order.index(name) + 1 if name in order else None,

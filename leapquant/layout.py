@@ -187,15 +187,15 @@ def stage(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]
     return staged
 
 
-def _slot_number(x: object, position: int) -> int:
+def _slot_number(x: object, position: int, name: str = "slots") -> int:
     """One element of a slot list as an int: ints and integer scalars (numpy, 0-dim tensors) pass; bools, floats
-    and anything else raise a ``ValueError`` naming ``slots``."""
+    and anything else raise a ``ValueError`` naming the argument (``name``)."""
     if not isinstance(x, bool) and not (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
         try:
             return operator.index(x)
         except TypeError:
             pass
-    raise ValueError(f"slots: expected integer slot numbers, got {x!r} at position {position}")
+    raise ValueError(f"{name}: expected integer slot numbers, got {x!r} at position {position}")
 
 
 class Pool:
@@ -206,8 +206,9 @@ class Pool:
     (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy).
 
     The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`encode`,
-    :meth:`decode`) check every argument against :data:`FIELDS` before writing anything: a bad one raises a
-    ``ValueError`` naming it and leaves the pool byte-identical.
+    :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence; :meth:`copy_slots`: a fork)
+    check every argument against :data:`FIELDS` before writing anything: a bad one raises a ``ValueError`` naming it
+    and leaves the pool byte-identical.
 
     Attributes (NS = num_slots, H = num_heads):
         raw    fp32 [NS * (H + 1) * V * K + OFF]
@@ -302,31 +303,32 @@ class Pool:
     # floating dtype where the pool stores floats: they are copied to the pool's device and dtype. These helpers read
     # values on the host (they synchronise): they are for loading and inspecting a pool, not for a captured graph.
 
-    def _slots(self, slots: object, distinct: bool = True) -> torch.Tensor:
+    def _slots(self, slots: object, distinct: bool = True, name: str = "slots") -> torch.Tensor:
         """``slots`` as a long tensor [n] on the pool's device. Accepts a list, tuple or range of ints, or a 1-D
         integer tensor on any device; every slot must lie in [1, num_slots) (slot 0 is reserved). With
         ``distinct`` (every write) each slot must appear once: each sequence owns one slot, and two rows written
         to one slot would leave whichever the indexing happened to store last. Reads may repeat a slot (one row
-        per program, say); they get one copy per mention. An empty selection is allowed (n = 0)."""
+        per program, say); they get one copy per mention. An empty selection is allowed (n = 0). Errors name the
+        argument ``name``."""
         if isinstance(slots, torch.Tensor):
             if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex():
-                raise ValueError(f"slots: expected integer slot numbers, got a tensor of dtype {slots.dtype}")
+                raise ValueError(f"{name}: expected integer slot numbers, got a tensor of dtype {slots.dtype}")
             if slots.dim() != 1:
-                raise ValueError(f"slots: expected a 1-D tensor [n], got shape {tuple(slots.shape)}")
+                raise ValueError(f"{name}: expected a 1-D tensor [n], got shape {tuple(slots.shape)}")
             vals = slots.detach().to("cpu", torch.long).tolist()
         elif isinstance(slots, (list, tuple, range)):
-            vals = [_slot_number(x, i) for i, x in enumerate(slots)]
+            vals = [_slot_number(x, i, name) for i, x in enumerate(slots)]
         else:
-            raise ValueError(f"slots: expected a list, tuple or range of ints or a 1-D integer tensor, "
+            raise ValueError(f"{name}: expected a list, tuple or range of ints or a 1-D integer tensor, "
                              f"got {type(slots).__name__}")
         outside = [x for x in vals if not 1 <= x < self.num_slots]
         if outside:
-            raise ValueError(f"slots: expected values in [1, {self.num_slots}) (slot 0 is reserved), "
+            raise ValueError(f"{name}: expected values in [1, {self.num_slots}) (slot 0 is reserved), "
                              f"got {outside[:8]}{' ...' if len(outside) > 8 else ''}")
         seen: set[int] = set()
         for x in vals if distinct else ():
             if x in seen:
-                raise ValueError(f"slots: slot {x} appears more than once (each sequence owns one slot)")
+                raise ValueError(f"{name}: slot {x} appears more than once (each sequence owns one slot)")
             seen.add(x)
         return torch.tensor(vals, dtype=torch.long).to(self.device)
 
@@ -408,6 +410,51 @@ class Pool:
         # compress's output goes through the same checks as a caller's checkpoint before anything is written
         self._put_checkpoint(s, *self._stage_checkpoint(s, *compress(S, q0)))
 
+    # ---- life cycle: a new sequence, a fork ------------------------------------------------------------------------
+    def reset_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
+        """Start new sequences in ``slots`` (n distinct slots in [1, num_slots)): a zero state and an empty window.
+
+        The checkpoint becomes what a flush writes for an all-zero state (``compress(0)``): codes 0, tokens 0 and both
+        scales :data:`EPS`, the scales' floor (positive, as the format requires; any positive scale decodes code 0 to
+        exactly 0, and the floor is what the re-compression itself gives a zero residual). The window is emptied:
+        keys and values 0 (so the slot's bytes do not depend on what it held before), ``w = 0``, KDA ``pcum = 0`` and
+        ``gbuf = 1``, GDN ``p = 1``, ``hcnt = 0``. The bytes of the region past the checkpoint are not touched.
+        Checks the slots before writing anything; synchronises with the host (a set-up tool, as the bulk helpers)."""
+        s = self._slots(slots)
+        self.codes[s] = 0
+        self.s_k[s] = EPS
+        self.s_v[s] = EPS
+        self.tokens[s] = 0.0
+        self.kbuf[s] = 0.0
+        self.ubuf[s] = 0.0
+        self.w[s] = 0.0
+        if self.gate == "kda":
+            self.pcum[s] = 0.0
+            self.gbuf[s] = 1.0
+        else:
+            self.p[s] = 1.0
+        self.hcnt[s] = 0
+
+    def copy_slots(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+        """Copy the sequences in ``src`` into ``dst`` (a fork, or a prefix-cache hit): checkpoint, window and fill
+        count of every head, byte for byte (the checkpoint's 19,456 bytes per head; the rest of the region is not
+        touched).
+
+        ``src`` and ``dst`` are slot lists of one length n (see :meth:`_slots`): ``src`` may repeat a slot (one sequence
+        forked into several), ``dst`` may not. Everything is read before anything is written, so a slot may be both a
+        source and a destination: every destination gets its source as it was before the call. Checks both lists
+        before writing anything; synchronises with the host."""
+        s = self._slots(src, distinct=False, name="src")
+        d = self._slots(dst, name="dst")
+        if s.numel() != d.numel():
+            raise ValueError(f"dst: expected as many slots as src ({s.numel()}), got {d.numel()}")
+        # bitwise copies: through integer views, so that no value (a NaN's payload included) passes a float unit
+        bufs = [self.checkpoint_words] + list(self.window_tensors().values())
+        ints = [t.view(_SAME_SIZE_INT[t.dtype]) for t in bufs]
+        taken = [t[s] for t in ints]                      # advanced indexing copies: all read before any write
+        for t, v in zip(ints, taken):
+            t[d] = v
+
     def decode(self, slots, with_window: bool = True) -> torch.Tensor:
         """Dense fp32 states [n, H, V, K] of ``slots``: the checkpoint, and (``with_window``, a bool) the window
         folded in as a flush would (whatever ``hcnt`` says). A slot may be named more than once."""
@@ -420,6 +467,11 @@ class Pool:
         if self.gate == "kda":
             return rebuild(*ck, self.kbuf[s], self.ubuf[s], self.w[s], pcum=self.pcum[s], gbuf=self.gbuf[s])
         return rebuild(*ck, self.kbuf[s], self.ubuf[s], self.w[s], p=self.p[s])
+
+
+#: the integer dtype of each buffer dtype's size (bitwise copies)
+_SAME_SIZE_INT = {torch.float32: torch.int32, torch.int32: torch.int32, torch.bfloat16: torch.int16,
+                  torch.float16: torch.int16, torch.int8: torch.int8}
 
 
 def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:

@@ -40,6 +40,12 @@ CHOLQR_RELATIVE_FLOOR = 1e-6
 #: (0 * 1e18): an all-zero head decodes to 0.
 CHOLQR_ABS_FLOOR = 1e-36
 
+# ---- the decode step (docs/spec.md section 7) ---------------------------------------------------------------------------
+#: added to the squared norm of a key / query before the square root (an all-zero key normalises to zero)
+NORM_EPS = 1e-6
+#: softplus(x) = x above this (as torch's and the models' softplus): log1p(exp(x)) differs from x by < 2.1e-9 there
+SOFTPLUS_THRESHOLD = 20.0
+
 # ---- rounding -----------------------------------------------------------------------------------------------------------
 #: 1.5 * 2^23: adding it to an fp32 |y| < 2^22 rounds y to the nearest integer, ties to even (the adder's own rounding),
 #: and leaves that integer in the low mantissa bits, whose low byte is then the int8 code in two's complement: codes

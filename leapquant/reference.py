@@ -10,6 +10,11 @@ The flush of one program (one sequence and head):
 3. tokens ``u = U^T``, ``q = Q^T`` rounded to fp16;
 4. residual ``E = S - q^T u`` with the rounded tokens;
 5. smoothing scales ``s_k`` (per column) and ``s_v`` (per row), then ``codes = round_half_even(127 E / (s_k s_v))``.
+
+The decode step (SPEC section 7, the ``step`` section at the end of this module) of one program and token: the state
+``S`` before this token's update is the checkpoint decayed by the gates since it was written plus the live window
+entries, and the gated delta rule gives the output ``o = S qn + (kn . qn) u_new`` and the new window entry ``u_new =
+beta (v - S kn)``; the state itself is never stored (the window holds the update, the flush folds it later).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .numerics import EPS, FP16_MAX, GS_ABS_FLOOR, K, L, QMAX, R, V
+from .numerics import EPS, FP16_MAX, GS_ABS_FLOOR, K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
 
 if TYPE_CHECKING:                     # the pool is only read here: no import of the layout module (which imports this)
     from .layout import Pool
@@ -146,3 +151,213 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
             pool.gbuf[s, h] = 1.0
         else:
             pool.p[s, h] = 1.0
+
+
+# ---- the decode step (SPEC section 7) ------------------------------------------------------------------------------
+# The functions below work in the floating dtype they are given: fp32 is the reference, fp64 the exact form the
+# criterion judges against (leapquant.criterion.exact_step). With ``absolute=True`` they evaluate the same expression
+# on the absolute value of every term (the checkpoint's entries, each window term, the key, the value), which gives
+# the magnitude M of SPEC section 7: the scale of the terms an output sums, against which its arithmetic error is
+# measured (o and u_new can be much smaller than their terms when those cancel).
+
+
+
+def l2_normalise(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x / sqrt(sum x^2 + 1e-6)`` over the last dim, in ``dtype``."""
+    x = x.to(dtype)
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + NORM_EPS)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + exp(x))``, and ``x`` itself above :data:`SOFTPLUS_THRESHOLD` (exp would overflow fp32 past 88)."""
+    return torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x.clamp_max(SOFTPLUS_THRESHOLD))))
+
+
+def log_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This token's log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (<= 0), in ``dtype``.
+
+    KDA (a gate per key channel): a bf16 [..., H, K], A_log fp32 [H], dt_bias fp32 [H, K] -> g [..., H, K].
+    GDN (one gate per head): a bf16 [..., H], A_log fp32 [H], dt_bias fp32 [H] -> g [..., H]."""
+    A = A_log.to(dtype).reshape(A_log.shape + (1,) * (dt_bias.dim() - 1))
+    return -torch.exp(A) * softplus(a.to(dtype) + dt_bias.to(dtype))
+
+
+def step_beta(b: torch.Tensor, beta_bf16: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``beta = sigmoid(b)`` [...] from the bf16 pre-activation, rounded to bf16 when ``beta_bf16`` (the models carry
+    it so; vLLM keeps it fp32), returned in ``dtype``."""
+    beta = torch.sigmoid(b.to(dtype))
+    return beta.to(torch.bfloat16).to(dtype) if beta_bf16 else beta
+
+
+def expand_key_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Key-head tensors [..., Hk, D] for the ``num_heads`` value heads [..., H, D]: grouped query heads (GDN's GQA,
+    Qwen3-Next: 16 key heads for 32 value heads), value head j reading key head ``j // (H // Hk)``."""
+    hk = x.shape[-2]
+    return x if hk == num_heads else x.repeat_interleave(num_heads // hk, dim=-2)
+
+
+def live_entries(h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[..., L] mask of the window entries before the fill count ``h`` [...] (j < h), as bool or ``dtype``."""
+    live = torch.arange(L, device=h.device) < h.unsqueeze(-1)
+    return live if dtype is None else live.to(dtype)
+
+
+def step_state(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+               kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor, h: torch.Tensor, g: torch.Tensor, *,
+               gbuf: torch.Tensor | None = None, pcum: torch.Tensor | None = None, p: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32, absolute: bool = False
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The state ``S`` [..., V, K] a step reads (before this token's own update), and the step's gate outputs.
+
+    Only the live entries ``j < h`` (h int [...] in [0, L)) count; entries at and past ``h`` are ignored, whatever
+    they hold (a flush leaves its keys and values behind).
+
+    KDA (``gbuf`` fp16 [..., L, K], ``pcum`` fp32 [..., K], ``g`` [..., K]):
+        ``en = exp(g)``, ``pcum_new = pcum + g``,
+        ``S = S_old * diag(exp(pcum_new)) + sum_{j<h} w_j ubuf_j (outer) (kbuf_j * D_j)``,
+        ``D_j = en * prod_{j<i<h} gbuf_i``; returns ``{"en", "pcum_new"}``.
+    GDN (``p`` fp32 [...], ``g`` [...]): ``at = exp(g)``, ``p_new = p * at``, live weights ``w_j * at``,
+        ``S = p_new * S_old + sum_{j<h} w_j at ubuf_j (outer) kbuf_j``; returns ``{"at", "p_new", "w_live"}`` (the
+        decayed weights of the live entries, the others unchanged).
+
+    ``absolute``: every term by its absolute value (the magnitude of the sum, see the section's header)."""
+    ab = torch.abs if absolute else (lambda t: t)
+    if absolute:
+        low_rank = q.to(dtype).abs().transpose(-1, -2) @ u.to(dtype).abs()
+        old = low_rank + (codes.to(dtype) * (s_k.to(dtype) / QMAX).unsqueeze(-2) * s_v.to(dtype).unsqueeze(-1)).abs()
+    else:
+        old = decode_checkpoint(codes, s_k, s_v, u, q, dtype)
+    live = live_entries(h)
+    g = g.to(dtype)
+    if p is None:
+        if gbuf is None or pcum is None:
+            raise ValueError("step_state: pass gbuf and pcum (KDA) or p (GDN)")
+        en = torch.exp(g)
+        pcum_new = pcum.to(dtype) + g
+        # D_j = en * prod_{j<i<h} gbuf_i: the decays of the later live entries (1 in place of the others), this step's
+        gl = torch.where(live.unsqueeze(-1), gbuf.to(dtype), torch.ones((), dtype=dtype, device=gbuf.device))
+        decay = window_decays(gl, dtype) * en.unsqueeze(-2) * live.unsqueeze(-1).to(dtype)
+        keys = ab(w.to(dtype)).unsqueeze(-1) * ab(kbuf.to(dtype)) * decay
+        S = old * torch.exp(pcum_new).unsqueeze(-2) + ab(ubuf.to(dtype)).transpose(-1, -2) @ keys
+        return S, {"en": en, "pcum_new": pcum_new}
+    at = torch.exp(g)
+    p_new = p.to(dtype) * at
+    w_live = torch.where(live, w.to(dtype) * at.unsqueeze(-1), w.to(dtype))
+    keys = (ab(w_live) * live.to(dtype)).unsqueeze(-1) * ab(kbuf.to(dtype))
+    S = old * p_new[..., None, None] + ab(ubuf.to(dtype)).transpose(-1, -2) @ keys
+    return S, {"at": at, "p_new": p_new, "w_live": w_live}
+
+
+def delta_rule(S: torch.Tensor, kn: torch.Tensor, qn: torch.Tensor, vx: torch.Tensor, beta: torch.Tensor, *,
+               absolute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule's update and output from the state S [..., V, K] (dtype of S): ``u_new = beta (v - S kn)``
+    [..., V] and ``o = S qn + (kn . qn) u_new`` [..., V] (= the updated state ``S + u_new kn^T`` applied to qn).
+    kn, qn [..., K], vx [..., V], beta [...]. ``absolute``: ``beta (|v| + S |kn|)`` and ``S |qn| + (|kn| . |qn|) u``
+    (S then already holds absolute terms)."""
+    dt = S.dtype
+    kn, qn, vx, beta = kn.to(dt), qn.to(dt), vx.to(dt), beta.to(dt)
+    if absolute:
+        kn, qn, vx = kn.abs(), qn.abs(), vx.abs()
+    Sk = (S @ kn.unsqueeze(-1)).squeeze(-1)
+    u_new = beta.unsqueeze(-1) * ((vx + Sk) if absolute else (vx - Sk))
+    o = (S @ qn.unsqueeze(-1)).squeeze(-1) + (kn * qn).sum(-1, keepdim=True) * u_new
+    return u_new, o
+
+
+def step_math(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+              kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor, h: torch.Tensor, qx: torch.Tensor,
+              kx: torch.Tensor, vx: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor, *, gbuf: torch.Tensor | None = None, pcum: torch.Tensor | None = None,
+              p: torch.Tensor | None = None, beta_bf16: bool = True, dtype: torch.dtype = torch.float32,
+              absolute: bool = False) -> dict[str, torch.Tensor]:
+    """One decode step of every program [B, H], unrounded, in ``dtype`` (SPEC section 7).
+
+    Inputs (leading dims [B, H] unless said): the checkpoint (codes, s_k, s_v, u, q as in :func:`decode_checkpoint`);
+    the window kbuf bf16 [.., L, K], ubuf bf16 [.., L, V], w fp32 [.., L], the fill count h int [B, H] in [0, L] (L:
+    "just flushed, empty", read as 0); KDA gbuf fp16 [.., L, K] and pcum fp32 [.., K], GDN p fp32 [B, H]; the token
+    qx, kx bf16 [B, Hk, K] (Hk key heads; value head j reads key head j // (H // Hk)), vx bf16 [B, H, V], a bf16
+    [B, H, K] (KDA) or [B, H] (GDN), b bf16 [B, H]; per-head constants A_log fp32 [H], dt_bias fp32 [H, K] (KDA) or
+    [H] (GDN).
+
+    Returns a dict: ``o``, ``kn``, ``u_new`` [B, H, V / K], ``g`` (the log-gate), ``w_new`` [B, H, L] (``w[h] = 1``,
+    GDN's live weights decayed by ``at``), and KDA ``en`` [B, H, K], ``pcum_new`` [B, H, K], or GDN ``at``,
+    ``p_new`` [B, H]. With ``absolute`` the o, kn and u_new entries are the magnitudes M instead."""
+    H = vx.shape[-2]
+    h = torch.where(h == L, torch.zeros_like(h), h).long()
+    kn = l2_normalise(expand_key_heads(kx, H), dtype)
+    qn = l2_normalise(expand_key_heads(qx, H), dtype) * K ** -0.5
+    g = log_gate(a, A_log, dt_bias, dtype)
+    beta = step_beta(b, beta_bf16, dtype)
+    S, gate_out = step_state(codes, s_k, s_v, u, q, kbuf, ubuf, w, h, g, gbuf=gbuf, pcum=pcum, p=p, dtype=dtype,
+                             absolute=absolute)
+    u_new, o = delta_rule(S, kn, qn, vx, beta, absolute=absolute)
+    this = torch.arange(L, device=h.device) == h.unsqueeze(-1)
+    w_old = gate_out.pop("w_live") if p is not None else w.to(dtype)
+    w_new = torch.where(this, torch.ones((), dtype=dtype, device=w.device), w_old)
+    return dict(o=o, kn=kn.abs() if absolute else kn, u_new=u_new, g=g, w_new=w_new, **gate_out)
+
+
+def step_reference(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+                   kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor, h: torch.Tensor, qx: torch.Tensor,
+                   kx: torch.Tensor, vx: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor, *, gbuf: torch.Tensor | None = None, pcum: torch.Tensor | None = None,
+                   p: torch.Tensor | None = None, beta_bf16: bool = True) -> tuple[torch.Tensor, ...]:
+    """The fp32 reference step in the storage dtypes (arguments as :func:`step_math`).
+
+    KDA: ``(o bf16 [B, H, V], k_row bf16 [B, H, K], u_row bf16 [B, H, V], g_row fp16 [B, H, K], w_new fp32 [B, H, L],
+    pcum_new fp32 [B, H, K])``; GDN: ``(o, k_row, u_row, w_new, p_new fp32 [B, H])``."""
+    r = step_math(codes, s_k, s_v, u, q, kbuf, ubuf, w, h, qx, kx, vx, a, b, A_log, dt_bias, gbuf=gbuf, pcum=pcum,
+                  p=p, beta_bf16=beta_bf16)
+    bf = torch.bfloat16
+    head = (r["o"].to(bf), r["kn"].to(bf), r["u_new"].to(bf))
+    if p is None:
+        return head + (r["en"].to(torch.float16), r["w_new"], r["pcum_new"])
+    return head + (r["w_new"], r["p_new"])
+
+
+def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor, num_k_heads: int,
+                 beta_bf16: bool) -> None:
+    """Reference backend of :func:`leapquant.step_inplace` (arguments already validated; ``out`` given).
+
+    Rows whose slot is outside [1, num_slots) get a zero output and write nothing. Each stepped program appends its
+    entry h (the fill count, L read as 0): kbuf / ubuf (and KDA gbuf) entry h, ``w[h] = 1`` (GDN: the live weights
+    decayed too), pcum (KDA) or p (GDN), ``hcnt = h + 1``. Loop-free over the rows in chunks of :data:`CHUNK`
+    programs (it reads the valid rows on the host: a synchronisation, as every reference call)."""
+    H, Hk = pool.num_heads, num_k_heads
+    slots = idx.to(torch.long)
+    valid = (slots > 0) & (slots < pool.num_slots)
+    out.masked_fill_(~valid[:, None, None], 0.0)
+    rows_all = valid.nonzero().flatten()
+    heads = torch.arange(H, device=pool.device)
+    step_rows = max(1, CHUNK // H)
+    for lo in range(0, rows_all.numel(), step_rows):
+        rows = rows_all[lo:lo + step_rows]
+        s = slots[rows]
+        tok = qkv[rows]
+        n = rows.numel()
+        qx = tok[:, :Hk * K].reshape(n, Hk, K)
+        kx = tok[:, Hk * K:2 * Hk * K].reshape(n, Hk, K)
+        vx = tok[:, 2 * Hk * K:].reshape(n, H, V)
+        hc = pool.hcnt[s]
+        # a fill count of L is "just flushed, empty"; a count outside [0, L] is outside the domain (clamped so that
+        # the reference never writes outside the window)
+        h = torch.where(hc == L, torch.zeros_like(hc), hc).clamp(0, L - 1).long()
+        gate = dict(gbuf=pool.gbuf[s], pcum=pool.pcum[s]) if pool.gate == "kda" else dict(p=pool.p[s])
+        tokens = pool.tokens[s]
+        r = step_math(pool.codes[s], pool.s_k[s], pool.s_v[s], tokens[..., :K], tokens[..., K:], pool.kbuf[s],
+                      pool.ubuf[s], pool.w[s], h, qx, kx, vx, a[rows], b[rows], A_log, dt_bias, **gate,
+                      beta_bf16=beta_bf16)
+        si, hi = s.unsqueeze(1).expand(n, H), heads.unsqueeze(0).expand(n, H)
+        pool.kbuf[si, hi, h] = r["kn"].to(torch.bfloat16)
+        pool.ubuf[si, hi, h] = r["u_new"].to(torch.bfloat16)
+        if pool.gate == "kda":
+            pool.gbuf[si, hi, h] = r["en"].to(torch.float16)
+            pool.w[si, hi, h] = 1.0
+            pool.pcum[s] = r["pcum_new"]
+        else:
+            pool.w[s] = r["w_new"]            # the live weights decayed, w[h] = 1, the rest as they were (bitwise)
+            pool.p[s] = r["p_new"]
+        pool.hcnt[s] = (h + 1).to(torch.int32)
+        out[rows] = r["o"].to(torch.bfloat16)

@@ -83,14 +83,15 @@ def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:
         raise ValueError("idx: a slot appears more than once (each sequence owns one slot)")
 
 
-def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | None = None) -> Pool:
-    """Validate a deployment call. idx int32 [N] (slot per row; ``<= 0``: no sequence), q0 fp32 [V, R].
+def _is_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
 
-    Metadata only, unless ``check_idx`` (default: :data:`CHECK_IDX`, from ``LEAPQUANT_CHECK_IDX``) asks for the
-    host-synchronising checks of idx's values (:func:`check_idx_values`)."""
-    pool = check_pool(pool)
-    if not isinstance(idx, torch.Tensor):
-        raise ValueError(f"idx: expected a torch.Tensor, got {type(idx).__name__}")
+
+def _check_idx(pool: Pool, idx: object) -> torch.Tensor:
+    """idx int32 [N], contiguous, on the pool's device (metadata only): the flush's and the step's idx."""
+    idx = _is_tensor("idx", idx)
     if idx.dtype != torch.int32:
         raise ValueError(f"idx: expected dtype torch.int32, got {idx.dtype}")
     if idx.dim() != 1:
@@ -99,6 +100,16 @@ def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | No
         raise ValueError(f"idx: expected device {pool.device} (the pool's), got {idx.device}")
     if not idx.is_contiguous():
         raise ValueError(f"idx: expected a contiguous tensor, got strides {tuple(idx.stride())}")
+    return idx
+
+
+def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | None = None) -> Pool:
+    """Validate a deployment call. idx int32 [N] (slot per row; ``<= 0``: no sequence), q0 fp32 [V, R].
+
+    Metadata only, unless ``check_idx`` (default: :data:`CHECK_IDX`, from ``LEAPQUANT_CHECK_IDX``) asks for the
+    host-synchronising checks of idx's values (:func:`check_idx_values`)."""
+    pool = check_pool(pool)
+    idx = _check_idx(pool, idx)
     check_dense("q0", q0, (V, R), torch.float32, pool.device)
     if CHECK_IDX if check_idx is None else check_idx:
         check_idx_values(pool, idx)
@@ -140,3 +151,154 @@ def check_run_args(gate: str, args: dict[str, object]) -> tuple[int, int, torch.
     for name, (shape, dtype) in spec.items():
         _expect(name, args[name], shape, dtype, dev)
     return B, H, dev
+
+
+# ---- the decode step (SPEC section 7) ------------------------------------------------------------------------------
+def _meta(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ...], dims: str, device: torch.device,
+          whose: str) -> torch.Tensor:
+    """Type, dtype, shape (``dims`` names it) and device of one argument (metadata only)."""
+    t = _is_tensor(name, t)
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape ({dims}) = {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} ({whose}), got {t.device}")
+    return t
+
+
+def _rows_dense(name: str, t: torch.Tensor, row_numel: int) -> None:
+    """Each row (dim 0) dense and row-major, rows at any stride that keeps them apart (>= a row's size): how an
+    engine's projections hand over slices of a wider row."""
+    inner = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size > 1 and stride != inner:
+            raise ValueError(f"{name}: each row must be dense and row-major (inner strides "
+                             f"{tuple(t.stride()[1:])}, expected {tuple(_dense_strides(t.shape[1:]))})")
+        inner *= size
+    if t.shape[0] > 1 and t.stride(0) < row_numel:
+        raise ValueError(f"{name}: row stride {t.stride(0)} is smaller than a row ({row_numel} elements)")
+
+
+def _dense_strides(shape: tuple[int, ...]) -> list[int]:
+    out, inner = [], 1
+    for size in reversed(shape):
+        out.append(inner)
+        inner *= size
+    return out[::-1]
+
+
+def check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+def _key_heads(gate: str, num_heads: int, num_k_heads: object, derived: int | None, source: str) -> int:
+    """The key-head count Hk: ``num_k_heads`` where given (it must then equal ``derived``, what ``source`` implies,
+    when that is known), else ``derived``; KDA has one key head per head, GDN any Hk dividing H (GQA)."""
+    if num_k_heads is not None:
+        if isinstance(num_k_heads, bool) or not isinstance(num_k_heads, int) or num_k_heads < 1:
+            raise ValueError(f"num_k_heads: expected a positive int or None, got {num_k_heads!r}")
+        if derived is not None and derived != num_k_heads:
+            raise ValueError(f"num_k_heads: {num_k_heads} disagrees with {source} ({derived} key heads)")
+        hk = num_k_heads
+    elif derived is not None:
+        hk = derived
+    else:
+        raise ValueError(f"{source}: cannot tell the number of key heads; pass num_k_heads")
+    if gate == "kda" and hk != num_heads:
+        raise ValueError(f"num_k_heads: KDA has one key head per head ({num_heads}), got {hk}")
+    if num_heads % hk:
+        raise ValueError(f"num_k_heads: the {num_heads} heads must split evenly over the key heads, got {hk}")
+    return hk
+
+
+def check_step_args(pool: object, idx: object, qkv: object, a: object, b: object, A_log: object, dt_bias: object,
+                    out: object, num_k_heads: object, beta_bf16: object, check_idx: bool | None = None) -> int:
+    """Validate a deployment step call (see :func:`step_inplace`); returns the key-head count Hk.
+
+    Metadata only (dtypes, shapes, strides, devices), unless ``check_idx`` (default ``LEAPQUANT_CHECK_IDX``) asks
+    for the host-synchronising checks of idx's values. ``out`` may be None (the caller then gets a fresh tensor)."""
+    pool = check_pool(pool)
+    idx = _check_idx(pool, idx)
+    N, H, dev, gate = idx.numel(), pool.num_heads, pool.device, pool.gate
+    qkv = _is_tensor("qkv", qkv)
+    if qkv.dtype != torch.bfloat16:
+        raise ValueError(f"qkv: expected dtype torch.bfloat16, got {qkv.dtype}")
+    if qkv.dim() != 2 or qkv.shape[0] != N:
+        raise ValueError(f"qkv: expected shape (N, 2 Hk K + H V) with N = {N} (len(idx)), got {tuple(qkv.shape)}")
+    width = qkv.shape[1]
+    rest = width - H * V                          # q and k of the key heads: 2 Hk K
+    derived = rest // (2 * K) if rest > 0 and rest % (2 * K) == 0 else None
+    if num_k_heads is None and derived is None:
+        raise ValueError(f"qkv: width {width} is not 2 Hk K + H V = 2 Hk * {K} + {H * V} for any key-head count Hk")
+    hk = _key_heads(gate, H, num_k_heads, derived, f"qkv's width {width}")
+    if width != 2 * hk * K + H * V:
+        raise ValueError(f"qkv: expected width 2 Hk K + H V = {2 * hk * K + H * V} (Hk = {hk}), got {width}")
+    if qkv.device != dev:
+        raise ValueError(f"qkv: expected device {dev} (the pool's), got {qkv.device}")
+    _rows_dense("qkv", qkv, width)
+    if gate == "kda":
+        _meta("a", a, torch.bfloat16, (N, H, K), "N, H, K", dev, "the pool's")
+        _rows_dense("a", a, H * K)
+    else:
+        _meta("a", a, torch.bfloat16, (N, H), "N, H", dev, "the pool's")
+        _rows_dense("a", a, H)
+    _meta("b", b, torch.bfloat16, (N, H), "N, H", dev, "the pool's")
+    _rows_dense("b", b, H)
+    A_log = _meta("A_log", A_log, torch.float32, (H,), "H", dev, "the pool's")
+    dt_shape, dt_dims = ((H, K), "H, K") if gate == "kda" else ((H,), "H")
+    dt_bias = _meta("dt_bias", dt_bias, torch.float32, dt_shape, dt_dims, dev, "the pool's")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
+    if out is not None:
+        out = _meta("out", out, torch.bfloat16, (N, H, V), "N, H, V", dev, "the pool's")
+        if not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
+    check_flag("beta_bf16", beta_bf16)
+    if CHECK_IDX if check_idx is None else check_idx:
+        check_idx_values(pool, idx)
+    return hk
+
+
+def check_step_run_args(gate: str, args: dict[str, object], num_k_heads: object) -> tuple[int, int, int,
+                                                                                          torch.device]:
+    """Validate the functional step's inputs (leading dims [B, H]); returns (B, H, Hk, device). Reads h's values on
+    the host (every entry in [0, L])."""
+    codes = args["codes"]
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
+        raise ValueError(f"codes: expected an int8 tensor [B, H, {V}, {K}], got "
+                         f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+    B, H = codes.shape[:2]
+    if B < 1 or H < 1:
+        raise ValueError(f"codes: expected B >= 1 and H >= 1, got shape {tuple(codes.shape)}")
+    dev = codes.device
+    qx = _is_tensor("qx", args["qx"])
+    if qx.dim() != 3:
+        raise ValueError(f"qx: expected a bf16 tensor [B, Hk, {K}], got shape {tuple(qx.shape)}")
+    hk = _key_heads(gate, H, num_k_heads, qx.shape[1], "qx's shape")
+    spec = {
+        "codes": ((B, H, V, K), torch.int8, "B, H, V, K"), "s_k": ((B, H, K), torch.float32, "B, H, K"),
+        "s_v": ((B, H, V), torch.float32, "B, H, V"), "u": ((B, H, R, K), torch.float16, "B, H, R, K"),
+        "q": ((B, H, R, V), torch.float16, "B, H, R, V"), "kbuf": ((B, H, L, K), torch.bfloat16, "B, H, L, K"),
+        "ubuf": ((B, H, L, V), torch.bfloat16, "B, H, L, V"), "w": ((B, H, L), torch.float32, "B, H, L"),
+        "h": ((B, H), torch.int32, "B, H"), "qx": ((B, hk, K), torch.bfloat16, "B, Hk, K"),
+        "kx": ((B, hk, K), torch.bfloat16, "B, Hk, K"), "vx": ((B, H, V), torch.bfloat16, "B, H, V"),
+        "b": ((B, H), torch.bfloat16, "B, H"), "A_log": ((H,), torch.float32, "H"),
+    }
+    if gate == "kda":
+        spec.update(gbuf=((B, H, L, K), torch.float16, "B, H, L, K"), pcum=((B, H, K), torch.float32, "B, H, K"),
+                    a=((B, H, K), torch.bfloat16, "B, H, K"), dt_bias=((H, K), torch.float32, "H, K"))
+    else:
+        spec.update(p=((B, H), torch.float32, "B, H"), a=((B, H), torch.bfloat16, "B, H"),
+                    dt_bias=((H,), torch.float32, "H"))
+    for name, (shape, dtype, dims) in spec.items():
+        _meta(name, args[name], dtype, shape, dims, dev, "that of codes")
+    h = args["h"]
+    bad = (h < 0) | (h > L)
+    if bool(bad.any()):
+        raise ValueError(f"h: expected fill counts in [0, {L}] ({L}: just flushed, read as 0), got "
+                         f"{int(h[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")
+    return B, H, hk, dev

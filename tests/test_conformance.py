@@ -19,7 +19,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 import leapquant as lq
-from leapquant import criterion, dispatch, families, reference
+from leapquant import criterion, dispatch, families, reference, step_families
 from leapquant.layout import L, Pool
 from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, judge_programs,
                      noisy_pool, nothing_due_launches, poison_due_checkpoints, program_inputs, snapshot)
@@ -31,11 +31,12 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
-def served(backend: str, heads: int, gate: str, skip: bool = True) -> bool:
-    """Whether ``backend`` serves a pool of this geometry on DEVICE; skips the test with the reasons if not."""
-    why = dispatch.reasons(backend, Pool(2, heads, device=DEVICE, gate=gate))
+def served(backend: str, heads: int, gate: str, skip: bool = True, op: str = "flush") -> bool:
+    """Whether ``backend`` serves ``op`` on a pool of this geometry on DEVICE; skips the test with the reasons if
+    not."""
+    why = dispatch.reasons(backend, Pool(2, heads, device=DEVICE, gate=gate), op=op)
     if why and skip:
-        pytest.skip(f"{backend} cannot serve {heads} heads ({gate}) on {DEVICE}: {'; '.join(why)}")
+        pytest.skip(f"{backend} cannot serve the {op} on {heads} heads ({gate}) on {DEVICE}: {'; '.join(why)}")
     return not why
 
 
@@ -52,12 +53,15 @@ def serving_backend(request) -> str:
 # ---- the ops ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Op:
-    """One op of the library as the suite exercises it: a case of functional-form inputs, the backend's output for
-    it, and the criterion's verdict."""
+    """One op of the library as the suite exercises it: a case of functional-form inputs (``make_case(batch, heads,
+    gate, seed)``), the backend's output for it, the criterion's verdict, the input families a case cycles through and
+    the output dtypes per gate."""
     name: str
-    make_case: Callable[..., families.Case]
-    run: Callable[[families.Case, str], tuple]
-    judge: Callable[[families.Case, tuple, str], criterion.Verdict]
+    make_case: Callable[..., families.Case | step_families.StepCase]
+    run: Callable[[families.Case | step_families.StepCase, str], tuple]
+    judge: Callable[[families.Case | step_families.StepCase, tuple, str], criterion.Verdict | criterion.StepVerdict]
+    families: tuple[str, ...]
+    dtypes: Callable[[str], list[torch.dtype]]
 
 
 def _judge_flush(case: families.Case, out: tuple, name: str) -> criterion.Verdict:
@@ -68,7 +72,20 @@ def _judge_flush(case: families.Case, out: tuple, name: str) -> criterion.Verdic
     return criterion.judge(S, out, case.reference(), labels=case.labels, name=name)
 
 
-OPS = {"flush": Op("flush", families.make_case, lambda case, backend: case.run(backend=backend), _judge_flush)}
+def _make_step_case(batch: int, heads: int, gate: str, seed: int = 0) -> step_families.StepCase:
+    """GDN with grouped key heads (two value heads per key head) where the head count allows, as Qwen3-Next."""
+    hk = heads // 2 if gate == "gdn" and heads % 2 == 0 else None
+    return step_families.make_step_case(batch, heads, gate, seed=seed, num_k_heads=hk)
+
+
+OPS = {
+    "flush": Op("flush", families.make_case, lambda case, backend: case.run(backend=backend), _judge_flush,
+                families.FAMILIES,
+                lambda gate: [torch.int8, torch.float32, torch.float32, torch.float16, torch.float16]),
+    "step": Op("step", _make_step_case, lambda case, backend: case.run(backend=backend),
+               lambda case, out, name: case.judge(out, name=name), step_families.STEP_FAMILIES,
+               lambda gate: [dt for _, dt in criterion.STEP_OUTPUTS[gate]]),
+}
 
 
 # ---- the functional form: every family, random geometries ------------------------------------------------------
@@ -77,14 +94,14 @@ OPS = {"flush": Op("flush", families.make_case, lambda case, backend: case.run(b
 @pytest.mark.parametrize("op", OPS)
 def test_every_family(op, backend, gate):
     """Every input family at least once (3 x 8 heads; head h of row b from family (8 b + h + seed) mod count)."""
-    served(backend, 8, gate)
+    served(backend, 8, gate, op=op)
     o = OPS[op]
     case = o.make_case(3, 8, gate, seed=3).to(DEVICE)
-    assert set(families.FAMILIES) <= {lab for row in case.labels for lab in row}
+    assert set(o.families) <= {lab for row in case.labels for lab in row}
     out = o.run(case, backend)
     v = o.judge(case, out, backend)
     assert v.passed, v.message
-    assert [x.dtype for x in out] == [torch.int8, torch.float32, torch.float32, torch.float16, torch.float16]
+    assert [x.dtype for x in out] == o.dtypes(gate)
 
 
 @pytest.mark.parametrize("family", ["zero", "scaled_zero"])
