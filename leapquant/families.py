@@ -238,15 +238,10 @@ def simulate_window(checkpoint: Sequence[torch.Tensor], gate: str, g: torch.Gene
 CHECKPOINT_NAMES = ("codes", "s_k", "s_v", "u", "q")
 
 
-@dataclass
-class Case:
-    """Functional-form inputs with leading dims [B, H]; ``labels[b][h]`` is the family of head (b, h)."""
+class CaseTensors:
+    """What every op's case shares: ``gate`` and the functional form's ``tensors`` with leading dims [B, H]."""
     gate: str
     tensors: dict[str, torch.Tensor]
-    q0: torch.Tensor
-    labels: list[list[str]]
-    _exact: torch.Tensor | None = field(default=None, repr=False)
-    _ref: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     @property
     def batch(self) -> int:
@@ -260,12 +255,23 @@ class Case:
     def device(self) -> torch.device:
         return self.tensors["codes"].device
 
-    def checkpoint(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.tensors[n] for n in CHECKPOINT_NAMES)
-
     def gate_kwargs(self) -> dict[str, torch.Tensor]:
         t = self.tensors
         return dict(pcum=t["pcum"], gbuf=t["gbuf"]) if self.gate == "kda" else dict(p=t["p"])
+
+
+@dataclass
+class Case(CaseTensors):
+    """Functional-form inputs with leading dims [B, H]; ``labels[b][h]`` is the family of head (b, h)."""
+    gate: str
+    tensors: dict[str, torch.Tensor]
+    q0: torch.Tensor
+    labels: list[list[str]]
+    _exact: torch.Tensor | None = field(default=None, repr=False)
+    _ref: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+
+    def checkpoint(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.tensors[n] for n in CHECKPOINT_NAMES)
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """Positional arguments of leapquant.run (KDA) or leapquant.run_gdn (GDN), in their order."""

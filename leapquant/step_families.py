@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from .families import FP16_TINIEST, FP32_TINIEST, _kda_gates, _low_rank_noise, _random_checkpoint
+from .families import FP16_TINIEST, FP32_TINIEST, CaseTensors, _kda_gates, _low_rank_noise, _random_checkpoint
 from .layout import K, L, R, V, Pool
 from .reference import compress, default_q0, rebuild, step_reference
 
@@ -238,7 +238,7 @@ def _step_family(name: str, n: int, gate: str, g: torch.Generator, q0: torch.Ten
 
 # ---- the case -------------------------------------------------------------------------------------------------------
 @dataclass
-class StepCase:
+class StepCase(CaseTensors):
     """Functional-form inputs of one step, leading dims [B, H] (qx, kx [B, Hk, K]); ``labels[b][h]`` is the family of
     program (b, h). ``token_scale`` holds each program's value and key scales (for :meth:`next_step`)."""
     gate: str
@@ -249,24 +249,8 @@ class StepCase:
     _exact: dict = field(default_factory=dict, repr=False)
 
     @property
-    def batch(self) -> int:
-        return self.tensors["codes"].shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.tensors["codes"].shape[1]
-
-    @property
     def num_k_heads(self) -> int:
         return self.tensors["qx"].shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensors["codes"].device
-
-    def gate_kwargs(self) -> dict[str, torch.Tensor]:
-        t = self.tensors
-        return dict(gbuf=t["gbuf"], pcum=t["pcum"]) if self.gate == "kda" else dict(p=t["p"])
 
     def math_args(self) -> tuple[torch.Tensor, ...]:
         """Positional arguments of leapquant.reference.step_math / step_reference and criterion.exact_step (the gate

@@ -127,17 +127,21 @@ def _expect(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, de
         raise ValueError(f"{name}: expected device {device} (that of codes), got {t.device}")
 
 
-def check_run_args(gate: str, args: dict[str, object]) -> tuple[int, int, torch.device]:
-    """Validate the functional form's inputs (leading dims [B, H]); returns (B, H, device)."""
-    assert gate in GATES
-    codes = args["codes"]
+def _leading_dims(codes: object) -> tuple[int, int, torch.device]:
+    """(B, H, device) of a functional form's call, read off ``codes`` [B, H, V, K]."""
     if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
         raise ValueError(f"codes: expected an int8 tensor [B, H, {V}, {K}], got "
                          f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
     B, H = codes.shape[:2]
     if B < 1 or H < 1:
         raise ValueError(f"codes: expected B >= 1 and H >= 1, got shape {tuple(codes.shape)}")
-    dev = codes.device
+    return B, H, codes.device
+
+
+def check_run_args(gate: str, args: dict[str, object]) -> tuple[int, int, torch.device]:
+    """Validate the functional form's inputs (leading dims [B, H]); returns (B, H, device)."""
+    assert gate in GATES
+    B, H, dev = _leading_dims(args["codes"])
     spec = {
         "codes": ((B, H, V, K), torch.int8), "s_k": ((B, H, K), torch.float32), "s_v": ((B, H, V), torch.float32),
         "u": ((B, H, R, K), torch.float16), "q": ((B, H, R, V), torch.float16),
@@ -267,14 +271,7 @@ def check_step_run_args(gate: str, args: dict[str, object], num_k_heads: object)
                                                                                           torch.device]:
     """Validate the functional step's inputs (leading dims [B, H]); returns (B, H, Hk, device). Reads h's values on
     the host (every entry in [0, L])."""
-    codes = args["codes"]
-    if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
-        raise ValueError(f"codes: expected an int8 tensor [B, H, {V}, {K}], got "
-                         f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
-    B, H = codes.shape[:2]
-    if B < 1 or H < 1:
-        raise ValueError(f"codes: expected B >= 1 and H >= 1, got shape {tuple(codes.shape)}")
-    dev = codes.device
+    B, H, dev = _leading_dims(args["codes"])
     qx = _is_tensor("qx", args["qx"])
     if qx.dim() != 3:
         raise ValueError(f"qx: expected a bf16 tensor [B, Hk, {K}], got shape {tuple(qx.shape)}")
