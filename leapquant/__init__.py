@@ -24,7 +24,8 @@ __version__ = "0.1.0"
 #: public name -> the submodule that defines it
 _LAZY = {
     "backend_info": "api", "device_description": "api", "flush_inplace": "api", "run": "api", "run_gdn": "api",
-    "step": "api", "step_gdn": "api", "step_inplace": "api", "versions": "api", "warmup": "api",
+    "step": "api", "step_gdn": "api", "step_inplace": "api", "decode_inplace": "api", "versions": "api",
+    "warmup": "api",
     "EPS": "layout", "K": "layout", "L": "layout", "OFF": "layout", "QMAX": "layout", "R": "layout", "V": "layout",
     "Pool": "layout",
     "default_q0": "reference",
@@ -36,12 +37,12 @@ _SUBMODULES = ("api", "layout", "reference", "validate")
 __all__ = [
     "Pool", "flush_inplace", "run", "run_gdn", "warmup", "use_backend", "backend_info", "versions",
     "device_description", "default_q0", "BackendUnavailable", "BACKENDS", "V", "K", "L", "R", "QMAX", "EPS", "OFF",
-    "step_inplace", "step", "step_gdn",
+    "step_inplace", "step", "step_gdn", "decode_inplace",
 ]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager form
-    from .api import (backend_info, device_description, flush_inplace, run, run_gdn, step, step_gdn, step_inplace,
-                      versions, warmup)
+    from .api import (backend_info, decode_inplace, device_description, flush_inplace, run, run_gdn, step, step_gdn,
+                      step_inplace, versions, warmup)
     from .layout import EPS, K, L, OFF, QMAX, R, V, Pool
     from .reference import default_q0
 

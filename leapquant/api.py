@@ -122,6 +122,25 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
     return out
 
 
+@torch.compiler.disable
+def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   A_log: torch.Tensor, dt_bias: torch.Tensor, q0: torch.Tensor, out: torch.Tensor | None = None, *,
+                   num_k_heads: int | None = None, beta_bf16: bool = True, backend: str | None = None,
+                   check_idx: bool | None = None) -> torch.Tensor:
+    """One decode token of every head of the rows in ``idx``: :func:`step_inplace`, then :func:`flush_inplace` of the
+    same rows, which folds exactly the windows this step filled (their fill count is now L; every other program of
+    those rows has a fill count below L: the flush skips it). Arguments as the two calls'; returns ``out``.
+
+    Both calls are checked before either writes anything. The pair is one call per layer per token for an engine; on
+    the GPU backends both are graph-capturable launches (a separate step kernel and flush kernel: not fused)."""
+    check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
+    check_flush_args(pool, idx, q0)
+    out = step_inplace(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads=num_k_heads, beta_bf16=beta_bf16,
+                       backend=backend, check_idx=False)
+    flush_inplace(pool, idx, q0, backend=backend, check_idx=False)
+    return out
+
+
 def _step_run(gate: str, args: dict[str, torch.Tensor], num_k_heads: int | None, beta_bf16: bool,
               backend: str | None) -> tuple[torch.Tensor, ...]:
     """The functional step through the deployment form: the inputs loaded into a scratch pool, one step_inplace,

@@ -105,7 +105,7 @@ def test_import_leapquant_is_lazy_and_every_public_name_is_there():
             "'use_backend': dispatch.use_backend, 'BackendUnavailable': dispatch.BackendUnavailable, "
             "'BACKENDS': dispatch.BACKENDS, 'V': layout.V, 'K': layout.K, 'L': layout.L, 'R': layout.R, "
             "'QMAX': layout.QMAX, 'EPS': layout.EPS, 'OFF': layout.OFF, 'step_inplace': api.step_inplace, "
-            "'step': api.step, 'step_gdn': api.step_gdn}; "
+            "'step': api.step, 'step_gdn': api.step_gdn, 'decode_inplace': api.decode_inplace}; "
             "assert set(src) == set(lq.__all__), set(src) ^ set(lq.__all__); "
             "bad = [n for n in src if names[n] is not src[n]]; assert not bad, bad; "
             "assert set(lq.__all__) <= set(dir(lq)); "
