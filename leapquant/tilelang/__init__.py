@@ -1,5 +1,5 @@
-"""The TileLang backend: a persistent flush kernel built with TileLang 0.1.12 for sm_90a (H100/H200) and sm_100a
-(B200). Importing this module registers the backend with :mod:`leapquant.dispatch`.
+"""The TileLang backend: a persistent flush kernel built with TileLang (0.1.12-0.1.15, see REQUIRED_TILELANG) for
+sm_90a (H100/H200) and sm_100a (B200). Importing this module registers the backend with :mod:`leapquant.dispatch`.
 
     reasons(pool)   why the backend cannot serve ``pool`` (empty: it can)
     warmup(pool)    build (or load from TileLang's disk cache) the kernel for the pool's geometry, outside any capture
