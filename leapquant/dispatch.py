@@ -46,8 +46,11 @@ BACKENDS = ("reference", "triton", "tilelang")
 CHOICES = ("auto",) + BACKENDS
 #: the ops a backend can serve: the flush (every backend) and the decode step (where ``Backend.step`` is set)
 OPS = ("flush", "step")
-#: GPU backends ``auto`` tries for the step, in order (no step kernel is measured yet; the reference follows last)
-STEP_AUTO_ORDER = ("triton", "tilelang")
+#: GPU backends ``auto`` tries for the step, in order, before the reference. Empty until a step kernel has run and
+#: been measured on a GPU: the Triton step kernel passes the criterion through the interpreter and compiles for sm_90
+#: without spills, but has not run on a GPU yet, so ``auto`` serves the step with the reference and the kernel is
+#: taken only when forced (``backend="triton"``)
+STEP_AUTO_ORDER: tuple[str, ...] = ()
 ENV_VAR = "LEAPQUANT_BACKEND"
 
 #: read once at import: later changes of the environment do not move the choice (use ``backend=`` or use_backend)

@@ -10,7 +10,7 @@ import triton
 
 from .. import dispatch
 from ..layout import Pool
-from .launch import INTERPRETED, KERNEL_ENV, kernel_for, flush, warmup
+from .launch import INTERPRETED, KERNEL_ENV, kernel_for, flush, step, warmup
 
 #: Triton's bf16 loads need sm_80 (Ampere) or newer
 MIN_CAPABILITY = (8, 0)
@@ -43,10 +43,11 @@ dispatch.register(dispatch.Backend(
     name="triton",
     flush=flush,
     reasons=reasons,
+    step=step,
     description="Triton: one launch of persistent flush programs that rank the due programs on the GPU; on sm_80+ "
                 "a Gluon kernel (tensor-core rank updates), else / on the CPU (TRITON_INTERPRET=1) the tl kernel",
     warmup=warmup,
     versions=lambda: {"triton": triton.__version__, "torch": torch.__version__},
 ))
 
-__all__ = ["flush", "warmup", "reasons", "KERNEL_ENV"]
+__all__ = ["flush", "step", "warmup", "reasons", "KERNEL_ENV"]

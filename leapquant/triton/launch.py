@@ -16,7 +16,7 @@ import torch
 import triton
 
 from ..layout import Pool, slot_stride
-from . import tl_kernel
+from . import step_kernel, tl_kernel
 from .tl_kernel import INTERPRETED
 
 #: (row, head) flags a program ranks per step of its scan (rows x heads padded to a power of two); a compile-time
@@ -240,3 +240,21 @@ def warmup(pool: Pool) -> None:
     from ..reference import default_q0
     idx = torch.zeros(1, dtype=torch.int32, device=pool.device)
     flush(pool, idx, default_q0(pool.device))
+
+
+# ---- the decode step ---------------------------------------------------------------------------------------------------
+def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+         dt_bias: torch.Tensor, out: torch.Tensor, num_k_heads: int, beta_bf16: bool) -> None:
+    """Triton backend of :func:`leapquant.step_inplace` (arguments already validated, ``out`` given).
+
+    One launch of the step kernel (:mod:`leapquant.triton.step_kernel`), one program per (row, head): grid (N * H,).
+    No host synchronisation and no allocation (raw's typed views are views), so the call can be captured in a CUDA
+    graph once the kernel is compiled. GDN passes p in place of the KDA-only gbuf (never read there), as the flush."""
+    if idx.numel() == 0:
+        return
+    raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
+    step_kernel.step_kernel[(idx.numel() * pool.num_heads,)](
+        raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
+        A_log, dt_bias, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0),
+        H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16),
+        num_warps=step_kernel.WARPS, num_stages=1)
