@@ -22,29 +22,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
-from ..numerics import K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
-from .tl_kernel import _ALIGN, _code_to_f32, _const
+from ..numerics import K, NORM_EPS, SOFTPLUS_THRESHOLD
+# the pool's offsets and the program's sizes as the flush's tl kernel names them (one definition)
+from .tl_kernel import (_ALIGN, _CODES_BYTE, _K, _L, _OFF, _QMAX, _R, _REGION_WORDS, _SK_WORD, _SV_WORD, _TOK_HALF,
+                        _TOK_ROW, _V, _code_to_f32, _const)
 
 #: warps of one step program: the 128 x 128 fp32 state is 64 registers per thread at 8 warps (as the flush); the step
 #: holds little else, so 8 warps keep it without spills
 WARPS = 8
 
-_V = _const(V)
-_K = _const(K)
-_L = _const(L)
-_R = _const(R)
-_TOK_ROW = _const(K + V)                        # fp16 words per token row (u[r, :K] | q[r, :V])
-_QMAX = _const(float(QMAX))
 _NORM_EPS = _const(NORM_EPS)
 _SP_THRESHOLD = _const(SOFTPLUS_THRESHOLD)
 _INV_SQRT_K = _const(K ** -0.5)
-_OFF = _const(OFF)
-_REGION_WORDS = _const(REGION_WORDS)
-_CODES_BYTE = _const(CODES_BYTE)
-_SK_WORD = _const(SK_BYTE // 4)
-_SV_WORD = _const(SV_BYTE // 4)
-_TOK_HALF = _const(TOK_BYTE // 2)
 
 
 @triton.jit
