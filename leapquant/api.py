@@ -116,6 +116,13 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
     the reference, which synchronises)."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
     chosen = dispatch.select(pool, idx.numel(), backend, op="step")
+    return _launch_step(chosen, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
+
+
+def _launch_step(chosen: dispatch.Backend, pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor | None, hk: int,
+                 beta_bf16: bool) -> torch.Tensor:
+    """The step on arguments already checked, through the backend already chosen."""
     if out is None:
         out = torch.empty(idx.numel(), pool.num_heads, V, dtype=torch.bfloat16, device=pool.device)
     chosen.step(pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
@@ -131,13 +138,14 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
     same rows, which folds exactly the windows this step filled (their fill count is now L; every other program of
     those rows has a fill count below L: the flush skips it). Arguments as the two calls'; returns ``out``.
 
-    Both calls are checked before either writes anything. The pair is one call per layer per token for an engine; on
+    Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per layer per token for an engine; on
     the GPU backends both are graph-capturable launches (a separate step kernel and flush kernel: not fused)."""
-    check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
-    check_flush_args(pool, idx, q0)
-    out = step_inplace(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads=num_k_heads, beta_bf16=beta_bf16,
-                       backend=backend, check_idx=False)
-    flush_inplace(pool, idx, q0, backend=backend, check_idx=False)
+    hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
+    check_flush_args(pool, idx, q0, check_idx=False)            # (idx's values, if asked for, checked just above)
+    step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
+    flush_backend = dispatch.select(pool, idx.numel(), backend)
+    out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
+    flush_backend.flush(pool, idx, q0)
     return out
 
 

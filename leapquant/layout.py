@@ -474,16 +474,25 @@ _SAME_SIZE_INT = {torch.float32: torch.int32, torch.int32: torch.int32, torch.bf
                   torch.float16: torch.int16, torch.int8: torch.int8}
 
 
-def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``t`` is a dense (contiguous) tensor of this shape, dtype, device."""
+def check_tensor(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None, *,
+                 dims: str | None = None, whose: str | None = None) -> torch.Tensor:
+    """Raise ``ValueError`` naming ``name`` unless ``t`` is a tensor of this dtype, shape and device (``None``: any);
+    ``dims`` names the shape's dimensions and ``whose`` the device's source in the messages. Returns ``t``."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+        want = f"({dims}) = {tuple(shape)}" if dims else f"{tuple(shape)}"
+        raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}{f' ({whose})' if whose else ''}, got {t.device}")
+    return t
+
+
+def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``t`` is a dense (contiguous) tensor of this shape, dtype, device."""
+    t = check_tensor(name, t, shape, dtype, device)
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
     if t.storage_offset() != 0 and name == "raw":

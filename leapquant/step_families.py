@@ -31,7 +31,8 @@ from typing import Sequence
 
 import torch
 
-from .families import FP16_TINIEST, FP32_TINIEST, CaseTensors, _kda_gates, _low_rank_noise, _random_checkpoint
+from .families import (FP16_TINIEST, FP32_TINIEST, CaseTensors, _empty_window, _kda_gates, _low_rank_noise,
+                       _random_checkpoint)
 from .layout import K, L, R, V, Pool
 from .reference import compress, default_q0, rebuild, step_reference
 
@@ -65,17 +66,6 @@ def _token(n: int, gate: str, g: torch.Generator, vscale: torch.Tensor, kscale: 
     b = 2.0 * torch.randn(n, generator=g)
     bf = torch.bfloat16
     return dict(qx=qx.to(bf), kx=kx.to(bf), vx=vx.to(bf), a=a.to(bf), b=b.to(bf))
-
-
-def _empty_window(n: int, gate: str) -> dict[str, torch.Tensor]:
-    """What reset_slots leaves: zero keys and values, w = 0, gates reset."""
-    win = dict(kbuf=torch.zeros(n, L, K, dtype=torch.bfloat16), ubuf=torch.zeros(n, L, V, dtype=torch.bfloat16),
-               w=torch.zeros(n, L))
-    if gate == "kda":
-        win.update(gbuf=torch.ones(n, L, K, dtype=torch.float16), pcum=torch.zeros(n, K))
-    else:
-        win.update(p=torch.ones(n))
-    return win
 
 
 def _live_window(n: int, gate: str, g: torch.Generator, h: torch.Tensor, scale: float = 1.0

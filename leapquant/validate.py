@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .layout import (GATES, K, L, R, V, Pool, check_dense, raw_words)
+from .layout import (GATES, K, L, R, V, Pool, check_dense, check_tensor, raw_words)
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
 CHECK_IDX_ENV = "LEAPQUANT_CHECK_IDX"
@@ -117,14 +117,7 @@ def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | No
 
 
 def _expect(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device} (that of codes), got {t.device}")
+    check_tensor(name, t, shape, dtype, device, whose="that of codes")
 
 
 def _leading_dims(codes: object) -> tuple[int, int, torch.device]:
@@ -161,14 +154,7 @@ def check_run_args(gate: str, args: dict[str, object]) -> tuple[int, int, torch.
 def _meta(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ...], dims: str, device: torch.device,
           whose: str) -> torch.Tensor:
     """Type, dtype, shape (``dims`` names it) and device of one argument (metadata only)."""
-    t = _is_tensor(name, t)
-    if t.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape ({dims}) = {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} ({whose}), got {t.device}")
-    return t
+    return check_tensor(name, t, shape, dtype, device, dims=dims, whose=whose)
 
 
 def _rows_dense(name: str, t: torch.Tensor, row_numel: int) -> None:
