@@ -16,6 +16,7 @@ The window tensors are separate and dense ([NS, H, ...]). Slot 0 is reserved ("n
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Sequence
@@ -56,25 +57,6 @@ def region_word(slot: int, head: int, num_heads: int) -> int:
     return OFF + slot * slot_stride(num_heads) + head * REGION_WORDS
 
 
-# bytes per (sequence, head), for the README and the demo
-CHECKPOINT_HEAD_BYTES = CHECKPOINT_BYTES
-WINDOW_HEAD_BYTES_KDA = 2 * L * K + 2 * L * V + 4 * L + 4 * K + 2 * L * K + 4  # kbuf, ubuf, w, pcum, gbuf, hcnt
-WINDOW_HEAD_BYTES_GDN = 2 * L * K + 2 * L * V + 4 * L + 4 + 4                  # kbuf, ubuf, w, p, hcnt
-FP32_STATE_BYTES = 4 * V * K
-BF16_STATE_BYTES = 2 * V * K
-
-
-def due_program_bytes(gate: str = "kda") -> int:
-    """Fewest bytes one due program moves: checkpoint read and written, window and gate read, window reset."""
-    if gate == "kda":
-        read = CHECKPOINT_BYTES + 2 * L * K + 2 * L * V + 4 * L + 4 * K + 2 * L * K + 4
-        reset = 4 * L + 4 * K + 2 * L * K
-    else:
-        read = CHECKPOINT_BYTES + 2 * L * K + 2 * L * V + 4 * L + 4 + 4
-        reset = 4 * L + 4
-    return read + CHECKPOINT_BYTES + reset
-
-
 def _view(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int], offset: int) -> torch.Tensor:
     """A strided view of ``raw``'s storage as ``dtype`` (offset and strides in elements of ``dtype``)."""
     out = torch.empty(0, dtype=dtype, device=raw.device)
@@ -99,6 +81,7 @@ class Field:
     lo: float | None = None      #: smallest admitted value
     hi: float | None = None      #: largest admitted value
     lo_open: bool = False        #: ``lo`` itself is excluded
+    empty: float = 0.0           #: the value of a new pool and of an empty window (a flush's window reset)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -144,11 +127,36 @@ FIELDS: dict[str, Field] = {
     "ubuf": Field(("L", "V"), torch.bfloat16),
     "w": Field(("L",), torch.float32, 0.0, 1.0),
     "pcum": Field(("K",), torch.float32, hi=0.0),
-    "gbuf": Field(("L", "K"), torch.float16, 0.0, 1.0),
-    "p": Field((), torch.float32, 0.0, 1.0),
+    "gbuf": Field(("L", "K"), torch.float16, 0.0, 1.0, empty=1.0),
+    "p": Field((), torch.float32, 0.0, 1.0, empty=1.0),
     "hcnt": Field((), torch.int32, 0, L),
 }
 CHECKPOINT_FIELDS = ("codes", "s_k", "s_v", "u", "q")
+#: the window tensors of each gate (dense [NS, H, ...]), and those a flush resets (the keys and values stay; the fill
+#: count stays L)
+WINDOW_FIELDS = {"kda": ("kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt"), "gdn": ("kbuf", "ubuf", "w", "p", "hcnt")}
+RESET_FIELDS = {"kda": ("w", "pcum", "gbuf"), "gdn": ("w", "p")}
+
+
+def field_bytes(name: str) -> int:
+    """Bytes of one (sequence, head)'s ``name``."""
+    f = FIELDS[name]
+    return math.prod(f.shape) * f.dtype.itemsize
+
+
+# bytes per (sequence, head), for the README, the demo and the memory bound
+CHECKPOINT_HEAD_BYTES = CHECKPOINT_BYTES
+WINDOW_HEAD_BYTES_KDA = sum(map(field_bytes, WINDOW_FIELDS["kda"]))
+WINDOW_HEAD_BYTES_GDN = sum(map(field_bytes, WINDOW_FIELDS["gdn"]))
+FP32_STATE_BYTES = 4 * V * K
+BF16_STATE_BYTES = 2 * V * K
+
+
+def due_program_bytes(gate: str = "kda") -> int:
+    """Fewest bytes one due program moves: checkpoint read and written, window and gate read, window reset."""
+    window = sum(map(field_bytes, WINDOW_FIELDS[gate]))
+    reset = sum(map(field_bytes, RESET_FIELDS[gate]))
+    return CHECKPOINT_BYTES + window + CHECKPOINT_BYTES + reset
 
 
 def stage(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]],
@@ -225,10 +233,7 @@ class Pool:
         hcnt   int32 [NS, H]
     """
 
-    WINDOW_FIELDS = {
-        "kda": ("kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt"),
-        "gdn": ("kbuf", "ubuf", "w", "p", "hcnt"),
-    }
+    WINDOW_FIELDS = WINDOW_FIELDS
 
     def __init__(self, num_slots: int, num_heads: int = DEFAULT_HEADS, device: torch.device | str | None = None,
                  gate: str = "kda", **buffers: torch.Tensor) -> None:
@@ -258,15 +263,9 @@ class Pool:
             return t
 
         self.raw = take("raw", (raw_words(NS, H),), torch.float32, 0.0)
-        self.kbuf = take("kbuf", (NS, H, L, K), torch.bfloat16, 0.0)
-        self.ubuf = take("ubuf", (NS, H, L, V), torch.bfloat16, 0.0)
-        self.w = take("w", (NS, H, L), torch.float32, 0.0)
-        self.hcnt = take("hcnt", (NS, H), torch.int32, 0)
-        if gate == "kda":
-            self.pcum = take("pcum", (NS, H, K), torch.float32, 0.0)
-            self.gbuf = take("gbuf", (NS, H, L, K), torch.float16, 1.0)
-        else:
-            self.p = take("p", (NS, H), torch.float32, 1.0)
+        for name in self.WINDOW_FIELDS[gate]:            # shapes, dtypes and empty values: FIELDS
+            f = FIELDS[name]
+            setattr(self, name, take(name, (NS, H) + f.shape, f.dtype, f.empty))
         self._make_views()
 
     # ---- views of raw ----------------------------------------------------------------------------------------------
@@ -425,15 +424,8 @@ class Pool:
         self.s_k[s] = EPS
         self.s_v[s] = EPS
         self.tokens[s] = 0.0
-        self.kbuf[s] = 0.0
-        self.ubuf[s] = 0.0
-        self.w[s] = 0.0
-        if self.gate == "kda":
-            self.pcum[s] = 0.0
-            self.gbuf[s] = 1.0
-        else:
-            self.p[s] = 1.0
-        self.hcnt[s] = 0
+        for name in self.WINDOW_FIELDS[self.gate]:
+            getattr(self, name)[s] = FIELDS[name].empty
 
     def copy_slots(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
         """Copy the sequences in ``src`` into ``dst`` (a fork, or a prefix-cache hit): checkpoint, window and fill

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .layout import (GATES, K, L, R, V, Pool, check_dense, check_tensor, raw_words)
+from .layout import (FIELDS, GATES, K, L, R, V, Pool, check_dense, check_tensor, raw_words)
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
 CHECK_IDX_ENV = "LEAPQUANT_CHECK_IDX"
@@ -53,15 +53,9 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         return pool
     NS, H, dev = pool.num_slots, pool.num_heads, pool.device
     check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev)
-    check_dense("pool.kbuf", pool.kbuf, (NS, H, L, K), torch.bfloat16, dev)
-    check_dense("pool.ubuf", pool.ubuf, (NS, H, L, V), torch.bfloat16, dev)
-    check_dense("pool.w", pool.w, (NS, H, L), torch.float32, dev)
-    check_dense("pool.hcnt", pool.hcnt, (NS, H), torch.int32, dev)
-    if pool.gate == "kda":
-        check_dense("pool.pcum", pool.pcum, (NS, H, K), torch.float32, dev)
-        check_dense("pool.gbuf", pool.gbuf, (NS, H, L, K), torch.float16, dev)
-    else:
-        check_dense("pool.p", pool.p, (NS, H), torch.float32, dev)
+    for name in pool.WINDOW_FIELDS[pool.gate]:
+        f = FIELDS[name]
+        check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev)
     if pool.codes.untyped_storage().data_ptr() != pool.raw.untyped_storage().data_ptr():
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
     _CHECKED[pool] = key
