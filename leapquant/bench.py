@@ -45,7 +45,7 @@ DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
 DEFAULT_CPU_BATCHES = (1, 2)
 
 CSV_COLUMNS = (
-    "backend", "gate", "batch", "heads", "due", "due_fraction", "due_programs",
+    "op", "backend", "gate", "batch", "heads", "due", "due_fraction", "due_programs",
     "median_us", "p20_us", "p80_us", "samples", "timing",
     "bound_us", "ratio", "verdict", "worst_ratio", "message",
     "device", "sm_count", "bandwidth_gbs", "timer_floor_us", "torch", "triton", "tilelang", "python", "commit", "date",
@@ -58,6 +58,15 @@ EXIT_OK, EXIT_NOTHING, EXIT_USAGE, EXIT_BUSY = 0, 2, 2, 3
 # ---- command line ----------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (``leapquant.cli`` mounts them as the ``bench`` subcommand)."""
+    parser.add_argument("--op", choices=("flush", "step", "decode"), default="flush",
+                        help="the operation timed: flush (flush_inplace), step (step_inplace, every program "
+                             "stepping) or decode (decode_inplace at the steady state: 1/16 of the programs due per "
+                             "call); step and decode run fla's stock decode beside them (see --fla)")
+    parser.add_argument("--fill", nargs="+", type=int, default=[1, 15], metavar="H",
+                        help="--op step: the windows' fill count while timed, one row each (default 1 15)")
+    parser.add_argument("--fla", action=argparse.BooleanOptionalAction, default=True,
+                        help="--op step/decode: time fla's fused_recurrent_kda decode with an fp32 and a bf16 state "
+                             "beside the backends, where fla is installed (default on)")
     parser.add_argument("--backends", nargs="+", default=None, metavar="NAME",
                         help="project backends to run (reference, triton, tilelang, or 'auto'); default: every "
                              "backend that can serve on this device ('none' for --impl modules only)")
@@ -544,11 +553,13 @@ def time_calls_wall(call: Callable[[int], None], nsets: int, repeats: int, devic
     return out, f"host wall-clock per eager call (runs of {run} back-to-back calls, synchronised after each run)"
 
 
-def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, device) -> tuple[list[float], str]:
+def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, device,
+                      prepare: Callable[[int], None] | None = None) -> tuple[list[float], str]:
     """Per-call CUDA kernel time in microseconds from torch.profiler: the call is captured once per slot set in a
     CUDA graph (eager when capture fails) and replayed ``repeats`` times in rotation, each replay preceded by a marker
     kernel; a call's time is the span from its first kernel's start to its last kernel's end (gaps between its own
-    kernels included, host launch overhead excluded)."""
+    kernels included, host launch overhead excluded). ``prepare(s)``, when given, runs eagerly before the marker of
+    each call on set s (outside its time): it restores what the call consumes (a step's fill counts)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -581,6 +592,8 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         if hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(20_000_000)                         # keep the queue ahead of the host's launches
+        if prepare is not None:
+            prepare(0)
         for r in range(repeats):
             with torch.profiler.record_function(MARK):
                 marker.fill_(float(r))
@@ -588,6 +601,9 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
                 graphs[r % nsets].replay()
             else:
                 call(r % nsets)
+            if prepare is not None:               # a marker closes the call, then the next call's preparation
+                marker.fill_(-2.0)
+                prepare((r + 1) % nsets)
         marker.fill_(-1.0)
         torch.cuda.synchronize(dev)
     del graphs
@@ -607,6 +623,8 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
             continue
         if spans:
             spans[-1].append((e.time_range.start, e.time_range.end))
+    if prepare is not None:
+        spans = spans[0::2]                       # every other span holds a preparation
     for sp in spans[:repeats]:
         out.append(max(b for _, b in sp) - min(a for a, _ in sp) if sp else 0.0)
     if len(out) < min(3, repeats):
@@ -701,6 +719,7 @@ class Row:
     verdict: str = ""
     worst_ratio: float = float("nan")
     message: str = ""
+    op: str = "flush"
 
     def as_dict(self, env: dict) -> dict:
         d = {c: getattr(self, c, None) for c in CSV_COLUMNS if hasattr(self, c)}
@@ -709,7 +728,7 @@ class Row:
         d["ratio"] = round(d["ratio"], 4)
         d["worst_ratio"] = round(d["worst_ratio"], 6)
         env = dict(env, bandwidth_gbs=round(env["bandwidth_gbs"], 1), timer_floor_us=round(env["timer_floor_us"], 3))
-        d["due_fraction"] = DUE_FRACTIONS[self.due]
+        d["due_fraction"] = DUE_FRACTIONS.get(self.due, "")
         d.update({k: env[k] for k in CSV_COLUMNS if k in env})
         return {c: d.get(c, "") for c in CSV_COLUMNS}
 
@@ -773,7 +792,7 @@ def write_plot(path: str, rows: Sequence[Row], env: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(g, d) for g in dict.fromkeys(r.gate for r in rows) for d in DUE_FRACTIONS
+    panels = [(g, d) for g in dict.fromkeys(r.gate for r in rows) for d in dict.fromkeys(r.due for r in rows)
               if any(r.gate == g and r.due == d for r in rows)]
     if not panels:
         raise ValueError("nothing to plot")
@@ -796,10 +815,10 @@ def write_plot(path: str, rows: Sequence[Row], env: dict) -> None:
         ax.set_yscale("log")
         ax.set_xlabel(f"batch (sequences x {sel[0].heads} heads)")
         ax.set_ylabel(f"time per call, {unit}")
-        ax.set_title(f"{gate}, due: {due}")
+        ax.set_title(f"{gate}, {'due: ' if due in DUE_FRACTIONS else 'window: '}{due}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"LeapQuant flush on {env.get('device', '?')}, {env.get('commit', '?')} "
+    fig.suptitle(f"LeapQuant {env.get('op', 'flush')} on {env.get('device', '?')}, {env.get('commit', '?')} "
                  f"(copy {env.get('bandwidth_gbs', 0):.0f} GB/s; {env.get('timing_short', '')})", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -809,12 +828,12 @@ def write_plot(path: str, rows: Sequence[Row], env: dict) -> None:
 
 def _header(env: dict) -> str:
     lines = [
-        f"# LeapQuant flush benchmark ({env['date']})",
+        f"# LeapQuant {env.get('op', 'flush')} benchmark ({env['date']})",
         "",
         f"- device: {env['device_long']}",
         f"- copy bandwidth (read + written): {env['bandwidth_gbs']:.0f} GB/s — {env['bandwidth_how']}",
-        f"- memory bound: due programs x {env['bytes_kda']} B (kda) / {env['bytes_gdn']} B (gdn) per due program "
-        f"(`due_program_bytes`) at that bandwidth",
+        "- " + env.get("bytes_line", f"memory bound: due programs x {env['bytes_kda']} B (kda) / {env['bytes_gdn']} B "
+                                     f"(gdn) per due program (`due_program_bytes`)") + " at that bandwidth",
         f"- timing: {env['timing_long']}",
         f"- timer floor: {env['timer_floor_us']:.2f} us — the same timing around one tiny kernel "
         f"(what an empty call costs with this method here; it is inside every time below)",
@@ -852,10 +871,10 @@ TIMING_SHORT = {"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay,
                 "wall": "eager, host wall-clock"}
 
 #: the table of record inside a --record directory, and the history of every recorded run beside it
-RECORD_FILES = ("RECORD.md", "RECORD.csv", "RECORD.png")
+RECORD_FILES = ("RECORD.md", "RECORD.csv", "RECORD.png")    # the flush's (record_files(op) for each op)
 HISTORY_FILE = "history.csv"
 HISTORY_COLUMNS = ("commit", "date", "gpu", "backend", "gate", "batch", "heads", "due", "median_us", "bound_us",
-                   "verdict")
+                   "verdict", "op")
 
 
 class UsageError(ValueError):
@@ -953,6 +972,7 @@ def environment(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         rotate=args.rotate, load=load,
         command="leapquant bench " + " ".join(shlex.quote(a) for a in _argv(argv)),
+        op=getattr(args, "op", "flush"),
         timing_long=(TIMING_LONG[args.timer] + " (the row's `timing` column in the CSV says which)" if on_gpu else
                      "wall-clock per call on the CPU (not kernel times)"),
         timing_short=TIMING_SHORT[args.timer] if on_gpu else "CPU wall-clock",
@@ -1254,13 +1274,19 @@ def append_history(path: str | Path, rows: Sequence[Row], env: dict) -> int:
     return len(timed)
 
 
-def write_record(directory: str | Path, text: str, rows: Sequence[Row], env: dict) -> int:
+def record_files(op: str = "flush") -> tuple[str, str, str]:
+    """The table of record's files of ``op``: RECORD.{md,csv,png} for the flush, RECORD-step.* and RECORD-decode.*."""
+    stem = "RECORD" if op == "flush" else f"RECORD-{op}"
+    return tuple(f"{stem}.{ext}" for ext in ("md", "csv", "png"))
+
+
+def write_record(directory: str | Path, text: str, rows: Sequence[Row], env: dict, op: str = "flush") -> int:
     """Write the table of record into ``directory``: RECORD.md (the report, whose header names the commit, GPU,
     versions, method and command), RECORD.csv and RECORD.png, as ``--md``, ``--csv`` and ``--plot`` would; then
     append the run's timed rows to history.csv. Returns the number of rows appended."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    md, csv_path, png = (d / name for name in RECORD_FILES)
+    md, csv_path, png = (d / name for name in record_files(op))
     md.write_text(text)
     write_csv(str(csv_path), rows, env)
     try:
@@ -1290,21 +1316,75 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
         if busy and not args.allow_busy:
             print(f"leapquant bench: refusing to time: {load} (pass --allow-busy to time anyway)", file=sys.stderr)
             return EXIT_BUSY
+    if args.op != "flush":
+        return run_op(args, plan, load, argv)
     targets = build_targets(args, plan.device)
     if not targets:
         print("leapquant bench: nothing to run (no --backends, no --impl)", file=sys.stderr)
         return EXIT_NOTHING
     env = environment(args, plan, load, argv)
     rows, complete = measure(targets, args, plan, env)
-    text = report_text(rows, env, args.due)
+    return finish(args, rows, env, complete, report_text(rows, env, args.due))
+
+
+def run_op(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[str] | None) -> int:
+    """``--op step`` / ``--op decode`` (:mod:`leapquant.bench_step`): the project's backends with a step kernel (or
+    those named), fla beside them, every (gate, batch) checked and timed."""
+    import leapquant
+
+    from . import bench_step
+    from .layout import step_program_bytes
+    if args.impl:
+        print("leapquant bench: --impl modules are flush implementations (--op flush)", file=sys.stderr)
+        return EXIT_USAGE
+    if any(f < 0 or f >= bench_step_L() for f in args.fill):
+        print(f"leapquant bench: --fill values must be in [0, {bench_step_L()})", file=sys.stderr)
+        return EXIT_USAGE
+    names = args.backends
+    if names is None:
+        names = [r["name"] for r in leapquant.backend_info(plan.device, args.heads, args.gate[0], op="step")
+                 if r["available"] and r["name"] != "reference"] or ["reference"]
+        if args.op == "decode":
+            names = ["auto"] + [n for n in names if n != "auto"]
+    targets = bench_step.op_targets(names, args.fla and plan.on_gpu)
+    env = environment(args, plan, load, argv)
+    env["bytes_line"] = (f"memory bound: every program x {step_program_bytes('kda')} B (kda) / "
+                         f"{step_program_bytes('gdn')} B (gdn) per step program (`step_program_bytes`)"
+                         + (", plus the due programs' flush bytes" if args.op == "decode" else "")
+                         + "; fla: the state read and written")
+    run = Run(args=args, plan=plan, env=env, q0=None, checks=None, prog=Progress(0, args.quiet))
+    run.prog.log(f"{env['device']}: copy bandwidth {env['bandwidth_gbs']:.0f} GB/s; {env['load']}")
+    complete = False
+    try:
+        bench_step.measure_ops(run, targets)
+        complete = True
+    except KeyboardInterrupt:
+        run.prog.log("interrupted: writing what was measured")
+    finally:
+        run.prog.close()
+    text = _header(env) + "\n\n" + bench_step.op_table(run.rows) + "\n"
+    notes = [f"- {r.backend} {r.gate} b={r.batch}: {r.message}" for r in run.rows if r.message]
+    if notes:
+        text += "\nVerdicts:\n\n" + "\n".join(dict.fromkeys(notes)) + "\n"
+    return finish(args, run.rows, env, complete, text)
+
+
+def bench_step_L() -> int:
+    from .layout import L
+    return L
+
+
+def finish(args: argparse.Namespace, rows: Sequence[Row], env: dict, complete: bool, text: str) -> int:
+    """Print and write the report (:func:`write_outputs`) and the record (:func:`write_record`, only for a complete
+    run that timed something); the exit status."""
     print(text, end="")
     write_outputs(text, rows, args, env)
     timed = any(not math.isnan(r.median_us) for r in rows)
     if args.record:
         if complete and timed:
-            n = write_record(args.record, text, rows, env)
+            n = write_record(args.record, text, rows, env, args.op)
             if not args.quiet:
-                print(f"leapquant bench: record written to {args.record} ({', '.join(RECORD_FILES)}); {n} rows "
+                print(f"leapquant bench: record written to {args.record} ({', '.join(record_files(args.op))}); {n} rows "
                       f"appended to {Path(args.record) / HISTORY_FILE}", file=sys.stderr)
         else:
             print(f"leapquant bench: --record {args.record}: not written, "

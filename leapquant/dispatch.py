@@ -46,11 +46,9 @@ BACKENDS = ("reference", "triton", "tilelang")
 CHOICES = ("auto",) + BACKENDS
 #: the ops a backend can serve: the flush (every backend) and the decode step (where ``Backend.step`` is set)
 OPS = ("flush", "step")
-#: GPU backends ``auto`` tries for the step, in order, before the reference. Empty until a step kernel has run and
-#: been measured on a GPU: the Triton step kernel passes the criterion through the interpreter and compiles for sm_90
-#: without spills, but has not run on a GPU yet, so ``auto`` serves the step with the reference and the kernel is
-#: taken only when forced (``backend="triton"``)
-STEP_AUTO_ORDER: tuple[str, ...] = ()
+#: GPU backends ``auto`` tries for the step, in order, before the reference: the Triton step kernel (the only step
+#: kernel; bench/results/RECORD-step.md has its measurements on the H200)
+STEP_AUTO_ORDER: tuple[str, ...] = ("triton",)
 ENV_VAR = "LEAPQUANT_BACKEND"
 
 #: read once at import: later changes of the environment do not move the choice (use ``backend=`` or use_backend)
@@ -198,7 +196,7 @@ def auto_order(pool: Pool, num_rows: int, op: str = "flush") -> list[str]:
 
     The reference is always last. The Triton interpreter is never chosen automatically: on a CPU only the reference
     serves. The flush's GPU order comes from committed measurements (:mod:`leapquant.perf_table`); the step's is
-    :data:`STEP_AUTO_ORDER` until step kernels are measured."""
+    :data:`STEP_AUTO_ORDER`."""
     if pool.device.type != "cuda":
         return ["reference"]
     if _check_op(op) == "step":

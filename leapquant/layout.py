@@ -159,6 +159,19 @@ def due_program_bytes(gate: str = "kda") -> int:
     return CHECKPOINT_BYTES + window + CHECKPOINT_BYTES + reset
 
 
+def step_program_bytes(gate: str = "kda") -> int:
+    """Fewest bytes one decode step program moves (SPEC section 7's memory bound): the checkpoint, the window and
+    this token (q, k, v, a, b in bf16) read; the output, the appended entry, its weight (GDN: the live weights it
+    decays), the gate state and the fill count written."""
+    token = 2 * (2 * K + V) + (2 * K if gate == "kda" else 2) + 2
+    read = CHECKPOINT_BYTES + sum(map(field_bytes, WINDOW_FIELDS[gate])) + token
+    entry = sum(field_bytes(n) // L for n in ("kbuf", "ubuf") + (("gbuf",) if gate == "kda" else ()))
+    weights = 4 if gate == "kda" else field_bytes("w")
+    gate_state = field_bytes("pcum" if gate == "kda" else "p")
+    written = 2 * V + entry + weights + gate_state + field_bytes("hcnt")
+    return read + written
+
+
 def stage(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]],
           device: torch.device) -> list[torch.Tensor]:
     """Check and convert arguments before anything is written; raise ``ValueError`` naming the first bad one.

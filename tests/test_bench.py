@@ -212,7 +212,7 @@ def test_record_writes_the_table_and_appends_history(tmp_path, capsys):
     for h, r in zip(history, timed):
         assert h == {"commit": "abc1234", "date": r["date"], "gpu": r["device"], "backend": "reference", "gate": "kda",
                      "batch": r["batch"], "heads": str(HEADS), "due": r["due"], "median_us": r["median_us"],
-                     "bound_us": r["bound_us"], "verdict": "PASS"}
+                     "bound_us": r["bound_us"], "verdict": "PASS", "op": "flush"}
 
     assert bench.main(cmd) == 0                                        # a second run appends its rows
     history2 = _rows(rec / "history.csv")
@@ -317,3 +317,23 @@ def test_report_text_has_one_verdict_line_per_batch():
     assert text.startswith("# LeapQuant flush benchmark (2026-12-02 04:28 UTC)")
     assert text.count("| triton | kda | 16 |") == 3
     assert text.endswith("Verdicts:\n\n- triton kda b=16: triton: PASS\n")
+
+
+def test_step_and_decode_ops_on_the_cpu(tmp_path):
+    """--op step / decode: the reference is checked by the step criterion and timed at each fill (step) or at the
+    staggered steady state (decode); the record goes to RECORD-<op>.* and the history rows carry the op."""
+    for op, dues in (("step", {"h=1", "h=15"}), ("decode", {"staggered"})):
+        rec = tmp_path / op
+        cmd = ["--op", op, "--backends", "reference", "--batch", "1", "--heads", "4", "--gate", "kda", "gdn",
+               "--repeats", "2", "--max-seconds", "1", "--check-rows", "2", "--record", str(rec), "--quiet",
+               "--commit", "abc1234"]
+        assert bench.main(cmd) == 0
+        md = (rec / f"RECORD-{op}.md").read_text()
+        assert f"LeapQuant {op} benchmark" in md and "step_program_bytes" in md
+        rows = _rows(rec / f"RECORD-{op}.csv")
+        assert {r["due"] for r in rows} == dues and {r["op"] for r in rows} == {op}
+        assert all(r["verdict"] == "PASS" and float(r["worst_ratio"]) <= 1 for r in rows), rows
+        assert all(float(r["bound_us"]) > 0 for r in rows)
+        assert {h["op"] for h in _rows(rec / "history.csv")} == {op}
+    assert bench.main(["--op", "step", "--impl", "x.py"]) == bench.EXIT_USAGE
+    assert bench.main(["--op", "step", "--fill", "16"]) == bench.EXIT_USAGE

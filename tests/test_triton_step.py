@@ -1,4 +1,5 @@
-"""The Triton backend's decode step (leapquant.triton.step_kernel) on the CPU through the interpreter.
+"""The Triton backend's decode step (leapquant.triton.step_kernel): on the CPU through the interpreter, on a GPU
+with the compiled kernel (the same tests).
 
 * Functional form: every step family, both gates, both beta modes, GDN with grouped key heads, and the step after
   each, judged by the SPEC section 7 criterion against the fp64 exact form (as tests/test_step_reference.py judges
@@ -7,6 +8,8 @@
   rows (0, negative, >= num_slots) get zeros and write nothing; hcnt and the untouched weights match the reference
   backend byte for byte, the computed fields pass the criterion.
 * The kernel compiles for an sm_90 GPU without one (a child process without the interpreter).
+* On a GPU: the step and decode_inplace captured in a CUDA graph and replayed with new tokens match eager calls;
+  neither synchronises with the host.
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from leapquant import dispatch, step_families as sf
 from leapquant.layout import K, L, V
 from helpers import fill_noise, snapshot
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tier (interpreter); GPU runs elsewhere")
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 NS, H = 7, 4
 
@@ -33,7 +38,7 @@ NS, H = 7, 4
 @pytest.mark.parametrize("gate,num_k_heads", [("kda", None), ("gdn", 4), ("gdn", 2)])
 def test_functional_step_passes_on_every_family(gate, num_k_heads, beta_bf16):
     """3 x 8 programs covering every family, then the next step after each (a window one entry fuller)."""
-    case = sf.make_step_case(3, 8, gate, seed=1, num_k_heads=num_k_heads)
+    case = sf.make_step_case(3, 8, gate, seed=1, num_k_heads=num_k_heads).to(DEVICE)
     assert set(sf.STEP_FAMILIES) <= {lab for row in case.labels for lab in row}
     for c in (case, case.next_step(seed=2)):
         out = c.run(backend="triton", beta_bf16=beta_bf16)
@@ -43,7 +48,7 @@ def test_functional_step_passes_on_every_family(gate, num_k_heads, beta_bf16):
 
 def test_functional_step_matches_reference_on_exact_fields():
     """The fields no rounding touches agree with the reference bit for bit: KDA's w_new (w[h] = 1, the rest copied)."""
-    case = sf.make_step_case(2, 8, "kda", seed=7)
+    case = sf.make_step_case(2, 8, "kda", seed=7).to(DEVICE)
     tri, ref = case.run(backend="triton"), case.run(backend="reference")
     assert torch.equal(tri[4], ref[4])
 
@@ -57,7 +62,7 @@ def _clone(pool: lq.Pool) -> lq.Pool:
 def _case_from_pool(pool: lq.Pool, slots: list[int], qkv, a, b, A_log, dt_bias, hk: int) -> sf.StepCase:
     """The functional-form inputs of the stepped rows, read from the pool before the step (for the criterion)."""
     n = len(slots)
-    s = torch.tensor(slots)
+    s = torch.tensor(slots, device=pool.device)
     codes, s_k, s_v, u, q = pool.read_checkpoint(slots)
     t = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, kbuf=pool.kbuf[s].clone(), ubuf=pool.ubuf[s].clone(),
              w=pool.w[s].clone(), h=pool.hcnt[s].clone(), qx=qkv[:, :hk * K].reshape(n, hk, K),
@@ -73,8 +78,8 @@ def _case_from_pool(pool: lq.Pool, slots: list[int], qkv, a, b, A_log, dt_bias, 
 
 def _read_entries(pool: lq.Pool, out_rows: torch.Tensor, slots: list[int], h: torch.Tensor) -> tuple:
     """The stepped programs' outputs as the functional form returns them (o, k_row, u_row, [g_row], w, pcum / p)."""
-    s = torch.tensor(slots).unsqueeze(1).expand(len(slots), H)
-    hd = torch.arange(H).unsqueeze(0).expand(len(slots), H)
+    s = torch.tensor(slots, device=pool.device).unsqueeze(1).expand(len(slots), H)
+    hd = torch.arange(H, device=pool.device).unsqueeze(0).expand(len(slots), H)
     head = (out_rows, pool.kbuf[s, hd, h], pool.ubuf[s, hd, h])
     if pool.gate == "kda":
         return head + (pool.gbuf[s, hd, h], pool.w[slots], pool.pcum[slots])
@@ -85,14 +90,14 @@ def _read_entries(pool: lq.Pool, out_rows: torch.Tensor, slots: list[int], h: to
 @pytest.mark.parametrize("gate,hk", [("kda", H), ("gdn", H), ("gdn", 2), ("gdn", 1)])
 def test_deployment_footprint(gate, hk, beta_bf16):
     seed = 11 + hk
-    pool = lq.Pool(NS, H, gate=gate)
+    pool = lq.Pool(NS, H, gate=gate, device=DEVICE)
     fill_noise(pool, seed=seed)                       # noise everywhere: a stray write shows in a byte comparison
     sf.make_step_case(3, H, gate, seed=seed, num_k_heads=hk).load_into(pool, [2, 3, 5])
     ref_pool = _clone(pool)
     before = snapshot(pool)
     g = torch.Generator().manual_seed(seed)
     # rows: slots 3, pad 0, 2, 5, pad -1, 6 (noise), NS and NS + 100 (out of range: skipped, as under capture)
-    idx = torch.tensor([3, 0, 2, 5, -1, 6, NS, NS + 100], dtype=torch.int32)
+    idx = torch.tensor([3, 0, 2, 5, -1, 6, NS, NS + 100], dtype=torch.int32, device=DEVICE)
     N = idx.numel()
     width = 2 * hk * K + H * V
     # qkv, a, b as slices of wider rows (an engine's projection output)
@@ -100,19 +105,20 @@ def test_deployment_footprint(gate, hk, beta_bf16):
     a = (torch.randn(N, H + 1, K, generator=g).bfloat16()[:, :H] if gate == "kda"
          else torch.randn(N, H + 3, generator=g).bfloat16()[:, 2:2 + H])
     b = (2 * torch.randn(N, 2 * H, generator=g)).bfloat16()[:, H:]
-    A_log, dt_bias = sf.head_constants(H, gate, g)
+    qkv, a, b = qkv.to(DEVICE), a.to(DEVICE), b.to(DEVICE)
+    A_log, dt_bias = (x.to(DEVICE) for x in sf.head_constants(H, gate, g))
     stepped_rows, slots = [0, 2, 3, 5], [3, 2, 5, 6]
     case = _case_from_pool(pool, slots, qkv[stepped_rows], a[stepped_rows], b[stepped_rows], A_log, dt_bias, hk)
     hc = pool.hcnt[slots].clone()
     h = torch.where(hc == L, 0, hc).long()
 
-    out = torch.full((N, H, V), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((N, H, V), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     ref_out = out.clone()
     dispatch.get_backend("triton").step(pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
     dispatch.get_backend("reference").step(ref_pool, idx, qkv, a, b, A_log, dt_bias, ref_out, hk, beta_bf16)
 
     # the checkpoints are only read; padding rows are zero
-    assert torch.equal(pool.raw.view(torch.int32), before["raw"].view(torch.int32)), "the step wrote into raw"
+    assert torch.equal(pool.raw.cpu().view(torch.int32), before["raw"].view(torch.int32)), "the step wrote into raw"
     assert not bool(out[[1, 4, 6, 7]].any())
     # the computed fields by the criterion
     v = case.judge(_read_entries(pool, out[stepped_rows], slots, h), beta_bf16=beta_bf16, name="triton")
@@ -122,14 +128,15 @@ def test_deployment_footprint(gate, hk, beta_bf16):
     if gate == "kda":
         assert torch.equal(pool.w.view(torch.int32), ref_pool.w.view(torch.int32))
     else:
-        past = torch.arange(L) >= h.unsqueeze(-1)
+        past = torch.arange(L, device=DEVICE) >= h.unsqueeze(-1)
         assert torch.equal(pool.w[slots][past].view(torch.int32), ref_pool.w[slots][past].view(torch.int32))
     # nothing else moved: with the stepped entries put back to their old bytes, every window tensor is as before
     s = torch.tensor(slots).unsqueeze(1).expand(len(slots), H)
     hd = torch.arange(H).unsqueeze(0).expand(len(slots), H)
+    h = h.cpu()
     for name, t in pool.window_tensors().items():
         old = before[name].view(t.dtype).view(t.shape)
-        now = t.clone()
+        now = t.cpu().clone()
         if name in ("kbuf", "ubuf", "gbuf"):
             now[s, hd, h] = old[s, hd, h]
         elif name in ("w", "pcum", "p", "hcnt"):
@@ -165,10 +172,10 @@ sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf
        "idx_ptr": "*i32", "qkv_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
        "dt_ptr": "*fp32", "out_ptr": "*bf16", "num_slots": "i32", "SS": "i32", "qkv_stride": "i32",
        "a_stride": "i32", "b_stride": "i32", "H": "constexpr", "HK": "constexpr", "IS_KDA": "constexpr",
-       "BETA_BF16": "constexpr"}
+       "BETA_BF16": "constexpr", "BV": "constexpr"}
 names = list(sig)
 assert names == list(step_kernel.step_kernel.arg_names), step_kernel.step_kernel.arg_names
-const = {"H": 32, "HK": 32 if kda else 16, "IS_KDA": kda, "BETA_BF16": True}
+const = {"H": 32, "HK": 32 if kda else 16, "IS_KDA": kda, "BETA_BF16": True, "BV": step_kernel.BV}
 aligned = [i for i, n in enumerate(names) if sig[n].startswith("*")]
 src = ASTSource(fn=step_kernel.step_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                 attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -205,6 +212,73 @@ def test_compiles_for_sm90(gate):
     assert res.returncode == 0, res.stderr[-3000:]
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["ok"], info
-    # measured with triton 3.6's ptxas (sm_90a, 8 warps): KDA 128 registers, GDN 127, no spills
+    # measured with triton 3.6's ptxas (sm_90a, 4 warps, BV 32): KDA 125 registers, GDN 123, no spills
     assert info["spill_bytes"] in (None, 0), info
     print(f"step kernel {gate} sm_90: {info}")
+
+
+# ---- on a GPU: CUDA-graph replay, no host synchronisation -------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", None])
+@pytest.mark.parametrize("op", ["step", "decode"])
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_gpu_graph_replay_matches_eager_without_sync(gate, op, backend):
+    """step_inplace / decode_inplace captured once in a CUDA graph and replayed for four tokens (fresh tokens copied
+    into the captured buffers; windows filling and, for decode, flushing on the way) leave the pool and the outputs
+    byte for byte as the same calls made eagerly on a copy of the pool, and the eager calls (after the first) never
+    synchronise with the host."""
+    hk = H if gate == "kda" else 2
+    pool = lq.Pool(NS, H, gate=gate, device=DEVICE)
+    fill_noise(pool, seed=3)
+    sf.make_step_case(3, H, gate, seed=3, num_k_heads=hk).load_into(pool, [2, 3, 5])
+    pool.hcnt[[2, 3, 5]] = torch.tensor([L - 2, L - 1, L], dtype=torch.int32, device=DEVICE).unsqueeze(1)
+    eager_pool, warm_pool = _clone(pool), _clone(pool)
+    idx = torch.tensor([3, -1, 2, 5, 0], dtype=torch.int32, device=DEVICE)
+    N, width = idx.numel(), 2 * hk * K + H * V
+    g = torch.Generator().manual_seed(5)
+    A_log, dt_bias = (x.to(DEVICE) for x in sf.head_constants(H, gate, g))
+    q0 = lq.default_q0(DEVICE)
+
+    def token():
+        a_shape = (N, H, K) if gate == "kda" else (N, H)
+        return (torch.randn(N, width, generator=g).bfloat16().to(DEVICE),
+                torch.randn(*a_shape, generator=g).bfloat16().to(DEVICE),
+                (2 * torch.randn(N, H, generator=g)).bfloat16().to(DEVICE))
+
+    def call(p, qkv, a, b, out):
+        if op == "step":
+            lq.step_inplace(p, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads=hk, backend=backend)
+        else:
+            lq.decode_inplace(p, idx, qkv, a, b, A_log, dt_bias, q0, out, num_k_heads=hk, backend=backend)
+
+    static = token() + (torch.empty(N, H, V, dtype=torch.bfloat16, device=DEVICE),)
+    eager_out = torch.empty_like(static[3])
+    for p in (warm_pool, pool, eager_pool):                 # binds each pool's buffers to the flush, outside capture
+        lq.warmup(p, backend=backend)
+    call(warm_pool, *static)                               # compiles and binds every kernel, eagerly
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        call(pool, *static)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for t in range(4):
+        tok = token()
+        for dst, src in zip(static, tok):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call(eager_pool, *tok, eager_out)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert torch.equal(static[3].view(torch.int16), eager_out.view(torch.int16)), f"token {t}: out differs"
+        assert not bool(static[3][[1, 4]].any()), "padding rows must be zero"
+    replayed, eager = snapshot(pool), snapshot(eager_pool)
+    for name in replayed:
+        assert torch.equal(replayed[name], eager[name]), f"{name} differs between the replayed graph and eager calls"
+    # slot 2 started at L - 2: L - 1, L (full), then read as empty: 1, 2
+    assert bool((pool.hcnt[2] == 2).all())

@@ -256,5 +256,5 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
     step_kernel.step_kernel[(idx.numel() * pool.num_heads,)](
         raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
         A_log, dt_bias, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0),
-        H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16),
+        H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16), BV=step_kernel.BV,
         num_warps=step_kernel.WARPS, num_stages=1)

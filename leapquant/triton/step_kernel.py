@@ -6,11 +6,16 @@ num_slots) writes a zero output and nothing else. Otherwise it
 1. reads the token of its row (q and k of its key head, v of its head) and normalises q and k in fp32;
 2. evaluates the gate: KDA a log-decay per key channel (``en = exp(g)``, ``pcum_new = pcum + g``), GDN one per head
    (``at = exp(g)``, ``p_new = p * at``, the live weights decayed by at);
-3. rebuilds the state S [V, K] in fp32 registers: the checkpoint decoded exactly as the flush's tl kernel does it,
-   scaled by the gate since the checkpoint was written, plus the live window entries j < h as one fp32 [V, L] x [L, K]
-   matrix product (input_precision="ieee": no TF32, which the SPEC lists as a known failure);
-4. applies the gated delta rule: ``u_new = beta (v - S kn)``, ``o = S qn + (kn . qn) u_new``;
+3. applies the state S = checkpoint (decayed by the gate since it was written) + the live window entries j < h to
+   kn and qn without forming it: S kn = diag(s_v) codes (s_k / 127 * kn) + q_old^T (u_old kn) + ubuf^T (keys kn),
+   each factor gated, all in fp32 (no TF32, which the SPEC lists as a known failure), BV rows of the state per step
+   of a loop;
+4. applies the gated delta rule to those rows: ``u_new = beta (v - S kn)``, ``o = S qn + (kn . qn) u_new``;
 5. appends entry h of its window (kn, u_new, KDA en; w[h] = 1) and advances the gate state and the fill count.
+
+The form and its sizes were chosen by measurement on the H200 (docs/design-triton.md, the step's table of variants):
+4 warps and BV = 32 took 256 us at batch 256 (KDA), the state formed in registers 409 us, a loop over key-channel
+chunks 590-1400 us.
 
 The state is never written to global memory and the checkpoint is only read. No host synchronisation and no
 allocation: the launch is graph-capturable. Like the flush's tl kernel it runs unchanged under the interpreter
@@ -27,9 +32,10 @@ from ..numerics import K, NORM_EPS, SOFTPLUS_THRESHOLD
 from .tl_kernel import (_ALIGN, _CODES_BYTE, _K, _L, _OFF, _QMAX, _R, _REGION_WORDS, _SK_WORD, _SV_WORD, _TOK_HALF,
                         _TOK_ROW, _V, _code_to_f32, _const)
 
-#: warps of one step program: the 128 x 128 fp32 state is 64 registers per thread at 8 warps (as the flush); the step
-#: holds little else, so 8 warps keep it without spills
-WARPS = 8
+#: warps of one step program and the state rows per step of its loop (a [BV, K] code tile): 125 registers (KDA) at
+#: 4 warps, no spills; 8 warps or BV = 64 need more registers than an SM holds for enough programs
+WARPS = 4
+BV = 32
 
 _NORM_EPS = _const(NORM_EPS)
 _SP_THRESHOLD = _const(SOFTPLUS_THRESHOLD)
@@ -72,10 +78,10 @@ def _l2_normalise(x):
 @triton.jit
 def _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, qkv_ptr, a_ptr,
                   b_ptr, A_log_ptr, dt_ptr, out_ptr, row, head, slot, SS, qkv_stride, a_stride, b_stride,
-                  H: tl.constexpr, HK: tl.constexpr, IS_KDA: tl.constexpr, BETA_BF16: tl.constexpr):
-    """Step program (slot, head) for token row ``row`` (int64 scalars), in place."""
-    rv = tl.arange(0, _V)
-    rk = tl.arange(0, _K)
+                  H: tl.constexpr, HK: tl.constexpr, IS_KDA: tl.constexpr, BETA_BF16: tl.constexpr,
+                  BV: tl.constexpr):
+    """Step program (slot, head) for token row ``row`` (int64 scalars), in place; the key channels in chunks of
+    ``BV`` rows of the state."""
     rl = tl.arange(0, _L)
     prog = slot * H + head
     # fill count: L ("just flushed, empty") reads as 0; a count outside [0, L] is outside the domain and is clamped
@@ -85,14 +91,13 @@ def _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
     h = tl.minimum(tl.maximum(h, 0), _L - 1)
     live = rl < h                                                     # [L] the window entries before the fill count
 
-    # ---- (1) the token: q, k of key head hk (GQA), v of this head; normalised keys and queries in fp32 ----
+    # ---- (1) the token: q, k of key head hk (GQA), normalised in fp32 ----
+    rk = tl.arange(0, _K)
     tok_row = qkv_ptr + row * qkv_stride
     hk = head // (H // HK)
-    qx = tl.load(tok_row + hk * _K + rk).to(tl.float32)
-    kx = tl.load(tok_row + HK * _K + hk * _K + rk).to(tl.float32)
-    vx = tl.load(tok_row + 2 * HK * _K + head * _V + rv).to(tl.float32)
-    kn = _l2_normalise(kx)
-    qn = _l2_normalise(qx) * _INV_SQRT_K
+    kn = _l2_normalise(tl.load(tok_row + HK * _K + hk * _K + rk).to(tl.float32))
+    qn = _l2_normalise(tl.load(tok_row + hk * _K + rk).to(tl.float32)) * _INV_SQRT_K
+    v_row = tok_row + 2 * HK * _K + head * _V
 
     # ---- (2) the gate and the window's effective keys [L, K] ----
     A = tl.exp(tl.load(A_log_ptr + head))
@@ -114,8 +119,7 @@ def _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
         # the non-live ones, so entries at and past h add no factor)
         gb = gbuf_ptr + prog * (_L * _K)
         g_next = tl.load(gb + (rl[:, None] + 1) * _K + rk[None, :], mask=(rl[:, None] + 1) < h, other=1.0)
-        decay = tl.cumprod(g_next.to(tl.float32), 0, reverse=True) * en[None, :]
-        keys = kwin * w_old[:, None] * decay
+        keys = kwin * w_old[:, None] * (tl.cumprod(g_next.to(tl.float32), 0, reverse=True) * en[None, :])
     else:
         g = -A * _softplus(tl.load(a_ptr + row * a_stride + head).to(tl.float32) + tl.load(dt_ptr + head))
         at = tl.exp(g)
@@ -125,25 +129,25 @@ def _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
         w_live = w_old * at                                           # the live weights decayed by this token's gate
         keys = kwin * w_live[:, None]
 
-    # ---- (3) the state S [V, K]: checkpoint (decayed) + sum_{j<h} ubuf_j (outer) keys_j ----
-    # the checkpoint decoded as the flush's tl kernel rebuilds it (codes * s_k / 127 * s_v + q^T u), with the gate
-    # folded into the column factors (KDA) or the row factors (GDN)
+    # ---- (3) S kn and S qn, S never formed, BV rows of the state at a time ----
+    # S = diag(s_v row_gate) codes diag(s_k / 127 col_gate) + q_old^T diag(row_gate) u_old diag(col_gate)
+    #     + ubuf^T keys. Every term but the rows' own factors reduces to small vectors first: xk = s_k / 127 col_gate
+    # kn ([K]), u_old (col_gate kn) ([R]) and keys kn ([L]) (alike for qn); then each block of BV rows is one
+    # [BV, K] code tile against xk and xq, and the rows' factors. A program holds vectors and one code tile, never a
+    # [V, K] fp32 state: few registers, many programs in flight to cover the memory latency. Each row's output and
+    # window value follow from its own S kn and S qn, so a block is finished (and stored) in its own iteration.
     region = tl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, _ALIGN)
-    codes = tl.load(raw_u8 + region * 4 + _CODES_BYTE + rv[:, None] * _K + rk[None, :])
-    s_k = tl.load(raw_f32 + region + _SK_WORD + rk)
-    s_v = tl.load(raw_f32 + region + _SV_WORD + rv)
-    S = _code_to_f32(codes) * (s_k / _QMAX * col_gate)[None, :] * (s_v * row_gate)[:, None]
+    col = tl.load(raw_f32 + region + _SK_WORD + rk) / _QMAX * col_gate
+    xk = col * kn
+    xq = col * qn
+    rr = tl.arange(0, _R)
     tok = raw_f16 + region * 2 + _TOK_HALF
-    for r in tl.static_range(_R):
-        u_old = tl.load(tok + r * _TOK_ROW + rk).to(tl.float32) * col_gate
-        q_old = tl.load(tok + r * _TOK_ROW + _K + rv).to(tl.float32) * row_gate
-        S += q_old[:, None] * u_old[None, :]
-    ubT = tl.load(ub + rl[None, :] * _V + rv[:, None], mask=live[None, :], other=0.0).to(tl.float32)   # [V, L]
-    S = tl.dot(ubT, keys, S, input_precision="ieee")
-
-    # ---- (4) the gated delta rule ----
-    Sk = tl.sum(S * kn[None, :], 1)                                   # [V]
-    Sq = tl.sum(S * qn[None, :], 1)
+    u_old = tl.load(tok + rr[:, None] * _TOK_ROW + rk[None, :]).to(tl.float32) * col_gate          # [R, K]
+    uk = tl.sum(u_old * kn[None, :], 1) * row_gate                    # [R]
+    uq = tl.sum(u_old * qn[None, :], 1) * row_gate
+    tk = tl.sum(keys * kn[None, :], 1)                                # [L]
+    tq = tl.sum(keys * qn[None, :], 1)
+    knq = tl.sum(kn * qn, 0)
     bx = tl.load(b_ptr + row * b_stride + head).to(tl.float32)
     # sigmoid in fp64, then rounded once to fp32: a few bf16 values of b put sigmoid(b) within 1 fp32 ulp of a bf16
     # rounding midpoint (b = -2^-8: 0.04 ulp), where fp32's approximate exp and division could flip the rounding of
@@ -151,15 +155,24 @@ def _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
     beta = (1.0 / (1.0 + tl.exp(-bx.to(tl.float64)))).to(tl.float32)
     if BETA_BF16:                                                     # the models carry beta in bf16
         beta = _round_bf16(beta)
-    u_new = beta * (vx - Sk)
-    o = Sq + tl.sum(kn * qn, 0) * u_new
+    rb = tl.arange(0, BV)
+    for v0 in tl.range(0, _V, BV):
+        rv = v0 + rb
+        codes = _code_to_f32(tl.load(raw_u8 + region * 4 + _CODES_BYTE + rv[:, None] * _K + rk[None, :]))
+        row_f = tl.load(raw_f32 + region + _SV_WORD + rv) * row_gate                               # [BV]
+        q_oldT = tl.load(tok + rr[None, :] * _TOK_ROW + _K + rv[:, None]).to(tl.float32)          # [BV, R]
+        ubT = tl.load(ub + rl[None, :] * _V + rv[:, None], mask=live[None, :], other=0.0).to(tl.float32)  # [BV, L]
+        Sk = tl.sum(codes * xk[None, :], 1) * row_f + tl.sum(q_oldT * uk[None, :], 1) + tl.sum(ubT * tk[None, :], 1)
+        Sq = tl.sum(codes * xq[None, :], 1) * row_f + tl.sum(q_oldT * uq[None, :], 1) + tl.sum(ubT * tq[None, :], 1)
+        # ---- (4) the gated delta rule, for these rows ----
+        u_new = beta * (tl.load(v_row + rv).to(tl.float32) - Sk)
+        tl.store(out_ptr + (row * H + head) * _V + rv, _to_bf16(Sq + knq * u_new))
+        tl.store(ub + h * _V + rv, _to_bf16(u_new))
 
-    # ---- (5) writes: the output, window entry h, the gate state, the fill count ----
-    tl.store(out_ptr + (row * H + head) * _V + rv, _to_bf16(o))
+    # ---- (5) the rest of the appended entry, its weight, the gate state, the fill count ----
     tl.store(kb + h * _K + rk, _to_bf16(kn))
-    tl.store(ub + h * _V + rv, _to_bf16(u_new))
     if IS_KDA:
-        tl.store(gbuf_ptr + prog * (_L * _K) + h * _K + rk, en.to(tl.float16))
+        tl.store(gb + h * _K + rk, en.to(tl.float16))
         tl.store(gp + rk, pcum_new)
         tl.store(wp + h, 1.0)
     else:
@@ -172,7 +185,8 @@ def _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
 @triton.jit(do_not_specialize=["num_slots", "SS", "qkv_stride", "a_stride", "b_stride"])
 def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, idx_ptr, qkv_ptr,
                 a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, num_slots, SS, qkv_stride, a_stride, b_stride,
-                H: tl.constexpr, HK: tl.constexpr, IS_KDA: tl.constexpr, BETA_BF16: tl.constexpr):
+                H: tl.constexpr, HK: tl.constexpr, IS_KDA: tl.constexpr, BETA_BF16: tl.constexpr,
+                BV: tl.constexpr):
     """Program ``pid`` = row * H + head of the grid (N * H,).
 
     raw as fp32 / uint8 / fp16 pointers (one buffer); the pool's window tensors (gate_ptr: pcum fp32 [NS, H, K] for
@@ -186,6 +200,6 @@ def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     if (slot > 0) & (slot < num_slots):
         _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, qkv_ptr,
                       a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, row, head, slot, SS, qkv_stride, a_stride, b_stride,
-                      H, HK, IS_KDA, BETA_BF16)
+                      H, HK, IS_KDA, BETA_BF16, BV)
     else:                                   # no sequence on this row: a zero output, nothing else written
         tl.store(out_ptr + (row * H + head) * _V + tl.arange(0, _V), tl.zeros([_V], tl.bfloat16))

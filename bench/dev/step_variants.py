@@ -1,0 +1,74 @@
+"""Times the Triton step kernel's launch configurations (warps, state rows per loop step BV) on one GPU, L2-cold,
+CUDA kernel time (leapquant.bench.time_calls_kernel), KDA and GDN, window at fill 1 and 15, every program stepping.
+Prints one markdown table. Dev tool: python bench/dev/step_variants.py --batch 256."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from leapquant.bench import _percentile, slot_sets, time_calls_kernel
+from leapquant.bench_step import make_tokens, num_k_heads_for, tile_case
+from leapquant.layout import Pool, slot_stride, step_program_bytes
+from leapquant.step_families import make_step_case
+from leapquant.triton import step_kernel
+from leapquant.triton.launch import pool_buffers
+
+
+def launch(kernel, warps, bv, pool, idx, tk, hk):
+    raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
+    qkv, a, b, out = tk
+    kernel[(idx.numel() * pool.num_heads,)](
+        raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
+        A_LOG, DT, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0),
+        H=pool.num_heads, HK=hk, IS_KDA=pool.gate == "kda", BETA_BF16=True, num_warps=warps, num_stages=1,
+        **bv)
+
+
+def main() -> None:
+    global A_LOG, DT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", nargs="+", type=int, default=[64, 256, 512])
+    ap.add_argument("--repeats", type=int, default=64)
+    ap.add_argument("--bandwidth", type=float, default=4270.0, help="GB/s for the bound column")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    variants = [("shipped", step_kernel.step_kernel, w, {"BV": bv}) for w, bv in ((4, 32), (4, 16), (8, 16), (4, 64))]
+    bw = float(args.bandwidth) * 1e9
+    print("| gate | batch | fill | kernel | warps | config | median us | x bound |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for gate in ("kda", "gdn"):
+        hk = num_k_heads_for(gate, 32)
+        base = make_step_case(16, 32, gate, 0, "cpu", num_k_heads=hk)
+        pool = Pool(8 * max(args.batch) + 9, 32, device=dev, gate=gate)
+        for batch in args.batch:
+            sets = slot_sets(8, batch, 0, dev)
+            idx = [s.to(torch.int32) for s in sets]
+            case = tile_case(base, batch)
+            tk = make_tokens(case, 8, dev)
+            A_LOG, DT = tk.A_log, tk.dt_bias
+            for s in sets:
+                case.load_into(pool, s)
+            bound = batch * 32 * step_program_bytes(gate) / bw * 1e6
+            for fill in (1, 15):
+                fills = torch.full((batch, 32), fill, dtype=torch.int32, device=dev)
+
+                def prepare(s):
+                    pool.hcnt[sets[s]] = fills
+                for name, kern, warps, bv in variants:
+                    call = lambda s: launch(kern, warps, bv, pool, idx[s], (tk.qkv[s], tk.a[s], tk.b[s], tk.out[s]), hk)  # noqa: E731
+                    try:
+                        samples, _ = time_calls_kernel(call, 8, args.repeats, dev, prepare=prepare)
+                        med = _percentile(samples, 50)
+                        print(f"| {gate} | {batch} | {fill} | {name} | {warps} | {bv} | {med:.1f} | {med / bound:.2f} |",
+                              flush=True)
+                    except Exception as e:
+                        print(f"| {gate} | {batch} | {fill} | {name} | {warps} | {bv} | error: {str(e)[:80]} | |",
+                              flush=True)
+        pool = None  # noqa: F841
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
