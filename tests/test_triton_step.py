@@ -282,3 +282,42 @@ def test_gpu_graph_replay_matches_eager_without_sync(gate, op, backend):
         assert torch.equal(replayed[name], eager[name]), f"{name} differs between the replayed graph and eager calls"
     # slot 2 started at L - 2: L - 1, L (full), then read as empty: 1, 2
     assert bool((pool.hcnt[2] == 2).all())
+
+
+# ---- the Gluon step kernel: builds for every target on the CPU (triton 3.6; CI runs these with it) ----------------
+_GLUON_COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from leapquant.triton import gluon_step_kernel as m
+cap, gate = int(sys.argv[1]), sys.argv[2]
+kda = gate == "kda"
+sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
+       "w_ptr": "*fp32", "gate_ptr": "*fp32", "gbuf_ptr": "*fp16" if kda else "*fp32", "hcnt_ptr": "*i32",
+       "idx_ptr": "*i32", "qkv_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
+       "dt_ptr": "*fp32", "out_ptr": "*bf16", "num_slots": "i32", "SS": "i32", "qkv_stride": "i32",
+       "a_stride": "i32", "b_stride": "i32", "H": "constexpr", "HK": "constexpr", "IS_KDA": "constexpr",
+       "BETA_BF16": "constexpr"}
+names = list(sig)
+assert names == list(m.step_kernel.arg_names), m.step_kernel.arg_names
+const = {"H": 32, "HK": 32 if kda else 16, "IS_KDA": kda, "BETA_BF16": True}
+aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") and n != "idx_ptr"]
+src = GluonASTSource(fn=m.step_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=m.WARPS, num_stages=1))
+sass = k.asm["sass"]
+print(len(k.asm["cubin"]), sass.count("LDGSTS"), sass.count("LDL") + sass.count("STL"))
+"""
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("capability", [80, 90, 100])
+def test_gluon_step_kernel_compiles(capability, gate):
+    """The Gluon step kernel lowered and assembled for sm_80 / sm_90 / sm_100 without a GPU (a child process, as the
+    flush's Gluon kernel in tests/test_triton.py): its codes arrive by cp.async (LDGSTS) and nothing spills."""
+    from test_triton import _gluon_child
+    run = _gluon_child(_GLUON_COMPILE, str(capability), gate)
+    cubin, ldgsts, spills = map(int, run.stdout.split())
+    assert cubin > 0 and ldgsts > 0, f"sm_{capability}: no cp.async copies"
+    assert spills == 0, f"sm_{capability}: {spills} local-memory accesses"

@@ -34,7 +34,9 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4270.0, help="GB/s for the bound column")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    variants = [("shipped", step_kernel.step_kernel, w, {"BV": bv}) for w, bv in ((4, 32), (4, 16), (8, 16), (4, 64))]
+    from leapquant.triton import gluon_step_kernel
+    variants = ([("gluon", gluon_step_kernel.step_kernel, gluon_step_kernel.WARPS, {})]
+                + [("tl", step_kernel.step_kernel, w, {"BV": bv}) for w, bv in ((4, 32),)])
     bw = float(args.bandwidth) * 1e9
     print("| gate | batch | fill | kernel | warps | config | median us | x bound |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -247,14 +247,36 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
          dt_bias: torch.Tensor, out: torch.Tensor, num_k_heads: int, beta_bf16: bool) -> None:
     """Triton backend of :func:`leapquant.step_inplace` (arguments already validated, ``out`` given).
 
-    One launch of the step kernel (:mod:`leapquant.triton.step_kernel`), one program per (row, head): grid (N * H,).
-    No host synchronisation and no allocation (raw's typed views are views), so the call can be captured in a CUDA
+    One launch of the step kernel, one program per (row, head): grid (N * H,); on a GPU where the Gluon kernel serves
+    (:func:`kernel_for`) the Gluon step kernel (:mod:`leapquant.triton.gluon_step_kernel`), else the portable one
+    (:mod:`leapquant.triton.step_kernel`). No host synchronisation and no allocation (raw's typed views are views), so the call can be captured in a CUDA
     graph once the kernel is compiled. GDN passes p in place of the KDA-only gbuf (never read there), as the flush."""
     if idx.numel() == 0:
         return
     raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
-    step_kernel.step_kernel[(idx.numel() * pool.num_heads,)](
-        raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
-        A_log, dt_bias, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0),
-        H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16), BV=step_kernel.BV,
-        num_warps=step_kernel.WARPS, num_stages=1)
+    args = (raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
+            A_log, dt_bias, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
+    meta = dict(H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16))
+    grid = (idx.numel() * pool.num_heads,)
+    if _step_kernel_choice(pool.device) == "mma":
+        gk = _gluon_step_kernel()
+        gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1)
+    else:
+        step_kernel.step_kernel[grid](*args, **meta, BV=step_kernel.BV, num_warps=step_kernel.WARPS, num_stages=1)
+
+
+_STEP_CHOICE: dict[str, str] = {}
+
+
+def _step_kernel_choice(device: torch.device) -> str:
+    """:func:`kernel_for` of ``device``, made once per device (the step calls it on every launch)."""
+    key = str(device)
+    if key not in _STEP_CHOICE:
+        _STEP_CHOICE[key] = kernel_for(device)
+    return _STEP_CHOICE[key]
+
+
+def _gluon_step_kernel():
+    """The Gluon step kernel's module (imported on first use, as :func:`_gluon_kernel`)."""
+    from . import gluon_step_kernel
+    return gluon_step_kernel

@@ -1,4 +1,6 @@
-"""The Triton backend's decode step (docs/spec.md section 7), in plain ``triton.language``.
+"""The Triton backend's portable decode step (docs/spec.md section 7), in plain ``triton.language``: the kernel the
+interpreter runs (the CPU test tier) and the one that serves where the Gluon step kernel cannot
+(:mod:`leapquant.triton.gluon_step_kernel`, 2x faster on the H200: same algorithm, layouts chosen for it).
 
 One program per (row, head) of the call: grid (N * H,). A program whose row has no valid slot (idx <= 0 or >=
 num_slots) writes a zero output and nothing else. Otherwise it
