@@ -39,18 +39,31 @@ def check(r: e2e.Result) -> None:
     assert r.errors["fp32 state"] <= r.errors["bf16 state"], f"fp32 state worse than a bf16 state: {numbers}"
 
 
+@pytest.fixture
+def one_cpu_thread():
+    """torch on one CPU thread for the duration of a test, then as it was. The reference runs many small ops; on a
+    2-core machine with another busy process, two OpenMP threads spend most of their time waiting on each other
+    (measured here: 55-80 s for the KDA case instead of 12-20 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 @pytest.mark.parametrize("backend, device, batch, heads", CASES)
-def test_decode_matches_dense_recurrence(gate, backend, device, batch, heads):
+def test_decode_matches_dense_recurrence(gate, backend, device, batch, heads, request):
     if device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        request.getfixturevalue("one_cpu_thread")
     r = e2e.simulate(gate, backend=backend, device=device, batch=batch, heads=heads, tokens=512, last=128,
                      prefill=256, seed=0)
     assert r.k_heads == (heads if gate == "kda" else heads // 2)
     check(r)
 
 
-def test_record_command_writes_the_table(tmp_path):
+def test_record_command_writes_the_table(tmp_path, one_cpu_thread):
     """``python -m leapquant.e2e --backend reference --out FILE`` (small sizes): the report names the device,
     versions and commit, and has one row per gate and method."""
     out = tmp_path / "E2E.md"
