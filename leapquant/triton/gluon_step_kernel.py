@@ -12,7 +12,7 @@ without being formed. What differs is that every tensor has a layout chosen so t
                     thread; keys kn and keys qn reduce over the channels once
     (3) rank part   u_old [R, K] a column per thread alike: u_old (col_gate kn), u_old (col_gate qn)
     (4) codes       blocks of 16 rows from shared memory, 16 codes of a row per thread (:data:`CODES`), dequantised
-                    exactly (two codes per byte permute, as the flush's Gluon kernel) and reduced against xk and xq
+                    exactly (one byte permute per code, as the flush's Gluon kernel) and reduced against xk and xq
                     (16 products in the thread, then 3 shuffles); the row sums go to shared memory
     (5) rows        a state row per thread (:data:`VROW`): the window's ubuf^T (keys kn) and the rank part's
                     q_old^T (u_old kn) inside the thread, the codes' sums read back, then u_new, o and the stores
@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
 from ..numerics import K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
-from .gluon_kernel import _CODE_BYTES_ASM, _CODE_SHIFT
+from .gluon_kernel import _CODE_SHIFT
 
 assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are written for a 128 x 128 state"
 
@@ -54,6 +54,13 @@ _INV_SQRT_K = gl.constexpr(K ** -0.5)
 #: xk and xq carry 2^15: the dequantised codes are c 2^-15 (exact), so the products are c xk exactly as rounded
 _CODE_UNIT = gl.constexpr(32768.0)
 _BLOCK = gl.constexpr(16)                   #: state rows per step of phase (4): 4 per warp
+#: the flush kernel's exact dequantisation (gluon_kernel._CODE_BYTES_ASM) four codes per call: one sign flip of the
+#: four bytes, then one byte permute per code puts u = c + 128 into bits 8..15 of the float 1.0: x = 1 + u 2^-15, and
+#: x - _CODE_SHIFT = c 2^-15 exactly (two codes per call spent a permute more per code to split the word)
+_CODE_QUAD_ASM = gl.constexpr(
+    "{ .reg .b32 t, one; xor.b32 t, $4, 0x80808080; mov.b32 one, 0x3F800000; "
+    "prmt.b32 $0, t, one, 0x7604; prmt.b32 $1, t, one, 0x7614; prmt.b32 $2, t, one, 0x7624; "
+    "prmt.b32 $3, t, one, 0x7634; }")
 
 # ---- layouts (4 warps) -------------------------------------------------------------------------------------------
 #: [L, K] window tiles: a column (all L entries of one channel) per thread, channel = 32 warp + lane
@@ -172,8 +179,9 @@ def _step_program(codes_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, u
     async_copy.wait_group(0)
     gl.thread_barrier()
     for b in gl.static_range(_V // _BLOCK):
-        x = gl.inline_asm_elementwise(_CODE_BYTES_ASM, "=r,=r,r", [codes_s.slice(b * _BLOCK, _BLOCK).load(CODES)],
-                                      dtype=gl.float32, is_pure=True, pack=2)
+        x = gl.inline_asm_elementwise(_CODE_QUAD_ASM, "=r,=r,=r,=r,r",
+                                      [codes_s.slice(b * _BLOCK, _BLOCK).load(CODES)], dtype=gl.float32,
+                                      is_pure=True, pack=4)
         d = x - _CODE_SHIFT                                           # c 2^-15, exact
         sums_k.slice(b * _BLOCK, _BLOCK).store(gl.sum(d * xk[None, :], 1))
         sums_q.slice(b * _BLOCK, _BLOCK).store(gl.sum(d * xq[None, :], 1))
