@@ -20,7 +20,9 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
     pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (``<= 0``: no sequence, the row is
     skipped, as engines pad with -1 or 0). q0: fp32 [V, R], the start of the subspace iteration, shared by all
     programs. A program (slot, head) is due when ``hcnt == L``; its checkpoint is rewritten and its window reset
-    (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt`` stays ``L``. Everything else in the pool stays
+    (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt`` stays ``L``. A due program whose window is
+    already empty (every ``w`` 0 and no decay: KDA every ``pcum`` 0, GDN ``p`` 1; ``reference.empty_window``) is left
+    as it is, so a second call without a decode step in between changes nothing. Everything else in the pool stays
     bitwise untouched.
 
     backend: ``None`` (LEAPQUANT_BACKEND / use_backend / auto), or one of ``auto, reference, triton, tilelang``.
@@ -72,7 +74,8 @@ def run(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tens
     """Functional KDA flush, every program due. Leading dims [B, H]:
     codes int8 [B, H, V, K], s_k fp32 [B, H, K], s_v fp32 [B, H, V], u fp16 [B, H, R, K], q fp16 [B, H, R, V],
     kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32 [B, H, L], pcum fp32 [B, H, K],
-    q0 fp32 [V, R]. Returns fresh ``(codes, s_k, s_v, u, q)`` of the same shapes and dtypes."""
+    q0 fp32 [V, R]. Returns fresh ``(codes, s_k, s_v, u, q)`` of the same shapes and dtypes (a program whose window
+    is empty, ``reference.empty_window``, gets its own checkpoint back unchanged)."""
     return _run("kda", dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, kbuf=kbuf, ubuf=ubuf, gbuf=gbuf, w=w,
                             pcum=pcum, q0=q0), backend)
 

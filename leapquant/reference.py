@@ -11,6 +11,9 @@ The flush of one program (one sequence and head):
 4. residual ``E = S - q^T u`` with the rounded tokens;
 5. smoothing scales ``s_k`` (per column) and ``s_v`` (per row), then ``codes = round_half_even(127 E / (s_k s_v))``.
 
+A due program whose window is empty (:func:`empty_window`: every weight 0, no decay) is not flushed: its checkpoint
+and window stay bitwise as they are (:func:`written_programs` lists the programs a flush rewrites).
+
 The decode step (SPEC section 7, the ``step`` section at the end of this module) of one program and token: the state
 ``S`` before this token's update is the checkpoint decayed by the gates since it was written plus the live window
 entries, and the gated delta rule gives the output ``o = S qn + (kn . qn) u_new`` and the new window entry ``u_new =
@@ -121,8 +124,26 @@ def encode(S: torch.Tensor, Q: torch.Tensor, U: torch.Tensor) -> tuple[torch.Ten
     return codes, s_k.to(torch.float32), s_v.to(torch.float32), u, q
 
 
+def empty_window(w: torch.Tensor, *, pcum: torch.Tensor | None = None, p: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """bool [...]: the window holds nothing for a flush to fold, so the flush leaves its program untouched.
+
+    Empty means every weight is zero (``w`` fp32 [..., L]: ``w[j] == 0`` for every j) and nothing decays the
+    checkpoint (KDA: every ``pcum`` fp32 [..., K] is 0; GDN: ``p`` fp32 [...] is 1). With every weight zero the keys,
+    values and decay factors contribute nothing, and the state is the checkpoint itself: re-compressing it would only
+    add the format's error again (a flush's window reset leaves exactly this, so a second flush without a step in
+    between must be a no-op). ``-0.0`` counts as zero; a NaN weight or gate is not empty. This is the one definition
+    every backend implements (the kernels test the same values)."""
+    empty = (w == 0).all(dim=-1)
+    if p is None:
+        if pcum is None:
+            raise ValueError("empty_window: pass pcum (KDA) or p (GDN)")
+        return empty & (pcum == 0).all(dim=-1)
+    return empty & (p == 1)
+
+
 def due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, heads) long [n] of the due programs of ``idx``, each once, in (row, head) order."""
+    """(slots, heads) long [n] of the due programs of ``idx`` (``hcnt == L``), each once, in (row, head) order."""
     slots = idx.to(pool.device, torch.long)
     slots = torch.where((slots > 0) & (slots < pool.num_slots), slots, torch.zeros_like(slots))
     slots = torch.unique(slots[slots > 0])
@@ -131,9 +152,20 @@ def due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return slots[row], head
 
 
-def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
-    """Reference backend of :func:`leapquant.flush_inplace` (arguments already validated)."""
+def written_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, heads) long [n] of the programs a flush of ``idx`` rewrites: the due programs whose window is not
+    empty (:func:`empty_window`), each once, in (row, head) order. A flush writes nothing anywhere else."""
     slots, heads = due_programs(pool, idx)
+    gate = dict(pcum=pool.pcum[slots, heads]) if pool.gate == "kda" else dict(p=pool.p[slots, heads])
+    keep = ~empty_window(pool.w[slots, heads], **gate)
+    return slots[keep], heads[keep]
+
+
+def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
+    """Reference backend of :func:`leapquant.flush_inplace` (arguments already validated): the programs of
+    :func:`written_programs` are rebuilt, re-compressed and their windows reset; a due program with an empty window
+    is left as it is."""
+    slots, heads = written_programs(pool, idx)
     for lo in range(0, slots.numel(), CHUNK):
         s, h = slots[lo:lo + CHUNK], heads[lo:lo + CHUNK]
         gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])

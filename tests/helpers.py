@@ -1,4 +1,5 @@
-"""Test helpers shared by every backend's suite: poisoning, byte snapshots of a pool, due-region masks."""
+"""Test helpers shared by every backend's suite: poisoning, byte snapshots of a pool, due-region masks, the programs a
+flush writes (due, with a window that is not empty) and pools with empty windows."""
 from __future__ import annotations
 
 import torch
@@ -71,9 +72,11 @@ def expected_resets(pool: Pool, before: dict[str, torch.Tensor], slots: torch.Te
     return exp
 
 
-def assert_flush_footprint(pool: Pool, before: dict[str, torch.Tensor], slots: torch.Tensor, heads: torch.Tensor
-                           ) -> None:
-    """Every due checkpoint was rewritten (no poison left, finite), every other byte is as before, windows reset."""
+def assert_flush_footprint(pool: Pool, before: dict[str, torch.Tensor], slots: torch.Tensor, heads: torch.Tensor,
+                           finite: bool = True) -> None:
+    """The programs (slots, heads) long [n] (those a flush writes: :func:`written_programs`) have their checkpoints
+    rewritten (no poison left; finite unless ``finite`` is False) and their windows reset; every other byte of the pool
+    is as it was in ``before`` (:func:`snapshot`), the due programs with an empty window included."""
     after = snapshot(pool)
     mask = checkpoint_byte_mask(pool, slots, heads)
     changed = (after["raw"] != before["raw"]) & ~mask
@@ -82,7 +85,7 @@ def assert_flush_footprint(pool: Pool, before: dict[str, torch.Tensor], slots: t
         word = first // 4 - OFF
         raise AssertionError(f"{int(changed.sum())} bytes outside the due checkpoints changed; first at raw byte "
                              f"{first} (slot {word // pool.slot_stride}, region word {word % pool.slot_stride})")
-    if len(slots):
+    if len(slots) and finite:
         codes = pool.codes[slots, heads].cpu()
         assert not bool((codes == POISON_CODE).all(dim=(-1, -2)).any()), "a due program's codes were not written"
         for name in ("s_k", "s_v", "tokens"):
@@ -95,12 +98,43 @@ def assert_flush_footprint(pool: Pool, before: dict[str, torch.Tensor], slots: t
 
 
 # ---- shared by the kernel suites: the deployment form judged by the criterion ---------------------------------------
-def due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, heads) long [n] (CPU) of the programs a flush of ``idx`` must rewrite: hcnt == L, slot in [1, NS)."""
-    idx_l = idx.long().cpu()
-    slots = torch.unique(idx_l[(idx_l > 0) & (idx_l < pool.num_slots)])
-    rows, heads = (pool.hcnt.cpu()[slots] == L).nonzero(as_tuple=True)
-    return slots[rows], heads
+def written_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, heads) long [n] (CPU) of the programs a flush of ``idx`` must rewrite: due (hcnt == L, slot in
+    [1, NS)) with a window that is not empty (leapquant.reference.written_programs, the one definition)."""
+    from leapquant import reference
+    slots, heads = reference.written_programs(pool, idx)
+    return slots.cpu(), heads.cpu()
+
+
+def empty_windows(pool: Pool, slots: torch.Tensor, heads: torch.Tensor, decay: bool = False) -> None:
+    """Make the windows of programs (slots, heads) long [n] hold no weight: w = 0 (every other entry -0.0, which
+    counts as zero). ``decay`` False: no decay either (KDA pcum = 0, every other channel -0.0; GDN p = 1), an empty
+    window a flush must leave alone. ``decay`` True: the gate still decays the checkpoint (KDA: one channel of pcum at
+    -0.25, the rest 0; GDN: p = 0.5), a window a flush must fold. Keys, values and gbuf keep what they hold (noise):
+    a flush that reads them for an empty window, or writes them, shows."""
+    if not len(slots):
+        return
+    s, h = slots.to(pool.device), heads.to(pool.device)
+    alt = lambda n: torch.tensor([0.0, -0.0] * (n // 2), device=pool.device)  # noqa: E731
+    pool.w[s, h] = alt(L).expand(len(slots), L)
+    if pool.gate == "kda":
+        pcum = alt(K).expand(len(slots), K).clone()
+        if decay:
+            pcum[:, 7] = -0.25
+        pool.pcum[s, h] = pcum
+    else:
+        pool.p[s, h] = 0.5 if decay else 1.0
+
+
+def mixed_windows(pool: Pool, idx: torch.Tensor, seed: int) -> None:
+    """Of the due programs of ``idx``, about a third get an empty window and a sixth a window that only decays
+    (:func:`empty_windows`); the others keep theirs. Programs not due are left as they are."""
+    from leapquant import reference
+    slots, heads = (t.cpu() for t in reference.due_programs(pool, idx))
+    kind = torch.rand(len(slots), generator=torch.Generator().manual_seed(seed))
+    empty, decay = kind < 1 / 3, (kind >= 1 / 3) & (kind < 1 / 2)
+    empty_windows(pool, slots[empty], heads[empty])
+    empty_windows(pool, slots[decay], heads[decay], decay=True)
 
 
 def program_inputs(pool: Pool, slots: torch.Tensor, heads: torch.Tensor):
@@ -169,7 +203,8 @@ def check_graph_replay(backend: str, gate: str, heads: int, device) -> None:
         case.load_into(pool, [3, 7, 11, 9])                       # slot 9 is not in idx: must stay untouched
         due = torch.rand(pool.num_slots, heads, generator=g) < frac
         pool.hcnt.copy_(torch.where(due, L, L - 1 - rep).to(device, torch.int32))
-        slots, hs = due_programs(pool, idx)
+        mixed_windows(pool, idx, seed=rep)
+        slots, hs = written_programs(pool, idx)
         inputs = program_inputs(pool, slots, hs)
         before = snapshot(pool)
         graph.replay()

@@ -21,8 +21,9 @@ from hypothesis import assume, given, strategies as st
 import leapquant as lq
 from leapquant import criterion, dispatch, families, reference, step_families
 from leapquant.layout import L, Pool
-from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, due_programs, judge_programs,
-                     noisy_pool, nothing_due_launches, poison_due_checkpoints, program_inputs, snapshot)
+from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, empty_windows, judge_programs,
+                     mixed_windows, noisy_pool, nothing_due_launches, poison_due_checkpoints, program_inputs, snapshot,
+                     written_programs)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -141,7 +142,7 @@ def test_poisoned_pool_footprint(backend, gate):
     heads = _heads_for(backend)
     served(backend, heads, gate)
     pool, idx = noisy_pool(gate, heads, 5, DEVICE)
-    slots, hs = due_programs(pool, idx)
+    slots, hs = written_programs(pool, idx)
     s, h = slots.to(DEVICE), hs.to(DEVICE)
     poison_due_checkpoints(pool, slots, hs)
     pool.s_k[4, 0] = float("nan")                             # due, but its row is not in idx
@@ -163,7 +164,7 @@ def test_footprint_random(serving_backend, gate, seed):
     heads = _heads_for(backend)
     assume(served(backend, heads, gate, skip=False))
     pool, idx = noisy_pool(gate, heads, seed, DEVICE)
-    slots, hs = due_programs(pool, idx)
+    slots, hs = written_programs(pool, idx)
     inputs = program_inputs(pool, slots, hs)
     before = snapshot(pool)
     lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend=backend)
@@ -190,6 +191,120 @@ def test_rows_without_a_sequence_change_nothing(backend, gate):
     assert_flush_footprint(pool, before, none, none)
 
 
+# ---- the empty window: a flush with nothing to fold leaves its program alone --------------------------------------
+# (the definition: leapquant.reference.empty_window; every backend implements it, each kernel on values it loads
+# anyway)
+def _same_bytes(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> list[str]:
+    """The buffers (of :func:`snapshot`) whose bytes differ."""
+    return [name for name in before if not torch.equal(after[name], before[name])]
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_flush_changes_nothing(backend, gate):
+    """A flush empties the windows it folds (hcnt stays L: still due); a second call with no step in between finds
+    them empty and leaves the whole pool bitwise as the first call left it."""
+    heads = _heads_for(backend)
+    served(backend, heads, gate)
+    pool, idx = noisy_pool(gate, heads, 13, DEVICE)
+    q0 = lq.default_q0(DEVICE)
+    slots, hs = written_programs(pool, idx)
+    assert len(slots) > 0
+    lq.flush_inplace(pool, idx, q0, backend=backend)
+    assert len(written_programs(pool, idx)[0]) == 0, "the first flush left a window that is not empty"
+    first = snapshot(pool)
+    lq.flush_inplace(pool, idx, q0, backend=backend)
+    assert not _same_bytes(snapshot(pool), first), f"the second flush changed {_same_bytes(snapshot(pool), first)}"
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeated_flushes_keep_the_error(backend, gate):
+    """20 flushes with no step in between: the decoded state's error against the exact fp64 state stays what the
+    first flush left (per head, bitwise), on every family."""
+    heads = _heads_for(backend)
+    served(backend, heads, gate)
+    case = families.make_case(2, heads, gate, seed=21)
+    pool = Pool(3, heads, device=DEVICE, gate=gate)
+    case.to(DEVICE).load_into(pool, [1, 2])
+    idx = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    q0 = lq.default_q0(DEVICE)
+    exact = case.exact()
+
+    def error() -> torch.Tensor:
+        dec = pool.decode([1, 2], with_window=False).double().cpu()
+        return (dec - exact).abs().mean(dim=(-1, -2))
+
+    lq.flush_inplace(pool, idx, q0, backend=backend)
+    err1, ck1 = error(), [t.cpu() for t in pool.read_checkpoint([1, 2])]
+    for _ in range(19):
+        lq.flush_inplace(pool, idx, q0, backend=backend)
+    assert torch.equal(error(), err1), f"error after 20 flushes {error().max():.3g} vs {err1.max():.3g} after one"
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(pool.read_checkpoint([1, 2]), ck1))
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decay_only_window_is_flushed(backend, gate):
+    """A window without weights whose gate still decays the checkpoint (KDA: one pcum channel at -0.25; GDN: p = 0.5)
+    is not empty: it is flushed to the decayed state (judged by the criterion) and reset, as the reference decides;
+    the same window without the decay (-0.0 weights and pcum included) is left bitwise alone."""
+    heads = _heads_for(backend)
+    served(backend, heads, gate)
+    pool, idx = noisy_pool(gate, heads, 17, DEVICE)
+    due_s, due_h = (t.cpu() for t in reference.due_programs(pool, idx))
+    decay, empty = torch.arange(len(due_s)) % 2 == 0, torch.arange(len(due_s)) % 2 == 1
+    empty_windows(pool, due_s[decay], due_h[decay], decay=True)
+    empty_windows(pool, due_s[empty], due_h[empty])
+    slots, hs = written_programs(pool, idx)
+    assert torch.equal(slots, due_s[decay]) and torch.equal(hs, due_h[decay]), "the reference's criterion"
+    inputs = program_inputs(pool, slots, hs)
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend=backend)
+    assert_flush_footprint(pool, before, slots, hs)
+    v = judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE), backend)
+    assert v.passed, v.message
+
+
+@given(gate=st.sampled_from(["kda", "gdn"]), seed=st.integers(0, 2**16))
+def test_mixed_empty_and_full_windows(serving_backend, gate, seed):
+    """One call, due programs of three kinds (helpers.mixed_windows): empty windows (left bitwise alone), windows
+    that only decay and windows that hold entries (both rewritten, judged by the criterion, reset); programs not due,
+    slot 0 and rows not in idx untouched: the footprint is exact."""
+    backend = serving_backend
+    heads = _heads_for(backend)
+    assume(served(backend, heads, gate, skip=False))
+    pool, idx = noisy_pool(gate, heads, seed, DEVICE)
+    mixed_windows(pool, idx, seed)
+    slots, hs = written_programs(pool, idx)
+    inputs = program_inputs(pool, slots, hs)
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend=backend)
+    assert_flush_footprint(pool, before, slots, hs)
+    if len(slots):
+        v = judge_programs(pool, slots, hs, inputs, lq.default_q0(DEVICE), backend)
+        assert v.passed, v.message
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")     # (the interpreter's reductions)
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_weight_is_not_empty(backend, gate):
+    """A NaN weight (outside the domain, but a kernel must not read it as zero) makes a window not empty: the program
+    is flushed and its window reset, whatever its checkpoint becomes; everything outside it stays untouched."""
+    heads = _heads_for(backend)
+    served(backend, heads, gate)
+    pool, idx = noisy_pool(gate, heads, 19, DEVICE)
+    due_s, due_h = (t.cpu() for t in reference.due_programs(pool, idx))
+    empty_windows(pool, due_s, due_h)
+    pool.w[int(due_s[0]), int(due_h[0]), 5] = float("nan")
+    slots, hs = written_programs(pool, idx)
+    assert len(slots) == 1
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, lq.default_q0(DEVICE), backend=backend)
+    assert_flush_footprint(pool, before, slots, hs, finite=False)
+
+
 # ---- GPU: deployment sizes, graphs, launches ------------------------------------------------------------------------
 @gpu
 @needs_cuda
@@ -208,6 +323,54 @@ def test_gpu_deployment_sizes(backend, gate, batch):
         out = lq.run_gdn(*args, t["w"], t["p"], data.q0, backend=backend)
     v = criterion.judge(exact, list(out), list(ref), labels=labels, name=backend)
     assert v.passed, f"batch {batch} {gate}: {v.message}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("backend,kernel", [("triton", "mma"), ("triton", "tl"), ("tilelang", None)])
+def test_gpu_empty_windows(backend, kernel, gate, monkeypatch):
+    """Batch 32 x 32 heads of every family in a noisy pool, 2/3 of them due, the due ones of three kinds
+    (helpers.mixed_windows: empty, decay only, entries), idx shuffled with padding rows and a due slot left out: one
+    call writes exactly the programs the reference decides (footprint exact, the criterion on them), and a second
+    call leaves the whole pool bitwise as the first left it. ``kernel``: the Triton backend's Gluon ("mma") or tl
+    kernel (LEAPQUANT_TRITON_KERNEL, read when the new pool is first flushed)."""
+    from helpers import fill_noise
+    if kernel is not None:
+        from leapquant.triton import launch
+        if kernel == "mma" and launch.mma_reasons(DEVICE):
+            pytest.skip("; ".join(launch.mma_reasons(DEVICE)))
+        monkeypatch.setenv(launch.KERNEL_ENV, kernel)
+    served(backend, 32, gate)
+    batch, heads = 32, 32
+    pool = Pool(batch + 3, heads, device=DEVICE, gate=gate)
+    fill_noise(pool, seed=31)
+    slots = torch.arange(2, batch + 2)
+    families.make_case(batch, heads, gate, seed=31).to(DEVICE).load_into(pool, slots)
+    g = torch.Generator().manual_seed(31)
+    pool.hcnt[slots] = torch.where(torch.rand(batch, heads, generator=g) < 2 / 3, L, L - 1).to(DEVICE, torch.int32)
+    pool.hcnt[0] = L
+    pool.hcnt[batch + 2] = L                                    # due, but its row is not in idx
+    rows = slots[torch.randperm(batch, generator=g)]
+    idx = torch.cat([torch.tensor([-1]), rows[:batch // 2], torch.tensor([0]), rows[batch // 2:]])
+    idx = idx.to(DEVICE, torch.int32)
+    mixed_windows(pool, idx, seed=31)
+    s, h = written_programs(pool, idx)
+    due = len(reference.due_programs(pool, idx)[0])
+    assert 0 < len(s) < due, (len(s), due)
+    inputs = program_inputs(pool, s, h)
+    q0 = lq.default_q0(DEVICE)
+    before = snapshot(pool)
+    lq.flush_inplace(pool, idx, q0, backend=backend)
+    torch.cuda.synchronize()
+    assert_flush_footprint(pool, before, s, h)
+    v = judge_programs(pool, s, h, inputs, q0, f"{backend} {kernel or ''}")
+    assert v.passed, v.message
+    first = snapshot(pool)
+    lq.flush_inplace(pool, idx, q0, backend=backend)
+    torch.cuda.synchronize()
+    changed = _same_bytes(snapshot(pool), first)
+    assert not changed, f"the second flush changed {changed}"
 
 
 _CHECK: dict = {}

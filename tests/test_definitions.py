@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from leapquant import families
 from leapquant.definitions import make
@@ -45,3 +46,30 @@ def test_embedded_reference_agrees_with_the_package(gate):
     a, b = decode_checkpoint(*out), decode_checkpoint(*case.reference())
     scale = case.exact().abs().mean(dim=(-1, -2), keepdim=True).float()
     assert float(((a - b).abs() / scale.clamp_min(1e-30)).mean()) < 1e-3
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_embedded_reference_keeps_empty_windows(gate):
+    """Heads whose window is empty (leapquant.reference.empty_window) come back unchanged from the embedded reference,
+    as from the package; the others are re-compressed."""
+    from leapquant import reference
+    d = json.loads((make.HERE / NAMES[gate] / "definition.json").read_text())
+    ns: dict = {}
+    exec(compile(d["reference"], f"<{d['name']} reference>", "exec"), ns)
+    case = families.make_case(2, 5, gate, seed=4)
+    t = case.tensors
+    t["w"][0, 1] = 0.0
+    t["w"][1, 3] = 0.0
+    if gate == "kda":
+        t["pcum"][0, 1] = 0.0
+        t["pcum"][1, 3] = 0.0
+        t["pcum"][1, 3, 0] = -0.5                  # w = 0 but a decay: not empty
+    else:
+        t["p"][0, 1] = 1.0
+        t["p"][1, 3] = 0.5
+    empty = reference.empty_window(t["w"], **({"pcum": t["pcum"]} if gate == "kda" else {"p": t["p"]}))
+    assert empty.sum() == 1 and bool(empty[0, 1])
+    out = ns["run"](*case.args())
+    for got, given in zip(out, case.checkpoint()):
+        assert torch.equal(got[0, 1], given[0, 1])
+    assert not torch.equal(out[0][1, 3], case.checkpoint()[0][1, 3])

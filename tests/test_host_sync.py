@@ -12,7 +12,7 @@ import torch
 
 import leapquant as lq
 from leapquant import dispatch
-from helpers import due_programs, noisy_pool, snapshot, assert_flush_footprint
+from helpers import assert_flush_footprint, noisy_pool, snapshot, written_programs
 
 HAS_CUDA = torch.cuda.is_available()
 GPU_BACKENDS = ("triton", "tilelang")
@@ -59,7 +59,7 @@ def test_padding_rows_are_skipped(backend, gate):
     _served(backend, pool)
     padded = torch.cat([torch.tensor([-1], dtype=torch.int32, device=device), idx,
                         torch.tensor([0, -2**31, -1], dtype=torch.int32, device=device)])
-    slots, hs = due_programs(pool, idx)
+    slots, hs = written_programs(pool, idx)
     before = snapshot(pool)
     lq.flush_inplace(pool, padded, lq.default_q0(device), backend=backend)
     assert_flush_footprint(pool, before, slots, hs)

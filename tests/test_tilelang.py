@@ -17,8 +17,8 @@ import torch
 import leapquant as lq
 from leapquant import criterion, dispatch, families, reference
 from leapquant.layout import L, Pool
-from helpers import (assert_flush_footprint, check_graph_replay, due_programs, judge_programs, noisy_pool,
-                     nothing_due_launches, poison_due_checkpoints, program_inputs, snapshot)
+from helpers import (assert_flush_footprint, check_graph_replay, judge_programs, noisy_pool, nothing_due_launches,
+                     poison_due_checkpoints, program_inputs, snapshot, written_programs)
 
 tilelang = pytest.importorskip("tilelang")
 from leapquant import tilelang as lq_tl  # noqa: E402  (registers the backend)
@@ -210,7 +210,7 @@ def test_gpu_footprint_and_poison(gate, heads):
     is untouched; the due windows are reset."""
     _skip_unless_served(heads, gate)
     pool, idx = noisy_pool(gate, heads, 5 + heads, DEVICE)
-    slots, hs = due_programs(pool, idx)
+    slots, hs = written_programs(pool, idx)
     s, h = slots.to(DEVICE), hs.to(DEVICE)
     poison_due_checkpoints(pool, slots, hs)
     pool.s_k[4, 0] = float("nan")

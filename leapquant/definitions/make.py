@@ -47,6 +47,12 @@ def _compress(S, q0):
 
 def _decode(codes, s_k, s_v, u, q):
     return q.float().transpose(-1, -2) @ u.float() + codes.float() * (s_k / QMAX).unsqueeze(-2) * s_v.unsqueeze(-1)
+
+
+def _keep_empty(empty, new, old):
+    # a head whose window is empty (every w = 0, no decay) keeps its checkpoint: nothing to fold, no re-compression
+    return tuple(torch.where(empty.reshape(empty.shape + (1,) * (n.dim() - empty.dim())), o, n)
+                 for n, o in zip(new, old))
 '''
 
 KDA_REF = _COMMON + '''
@@ -58,7 +64,8 @@ def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0):
     D = torch.cat([after[..., 1:, :], torch.ones_like(g[..., :1, :])], -2)    # prod_{i > j}
     keys = kbuf.float() * w.unsqueeze(-1) * D
     S = _decode(codes, s_k, s_v, u, q) * torch.exp(pcum).unsqueeze(-2) + ubuf.float().transpose(-1, -2) @ keys
-    return _compress(S, q0)
+    empty = (w == 0).all(-1) & (pcum == 0).all(-1)
+    return _keep_empty(empty, _compress(S, q0), (codes, s_k, s_v, u, q))
 '''
 
 GDN_REF = _COMMON + '''
@@ -67,7 +74,8 @@ GDN_REF = _COMMON + '''
 def run(codes, s_k, s_v, u, q, kbuf, ubuf, w, p, q0):
     keys = kbuf.float() * w.unsqueeze(-1)
     S = _decode(codes, s_k, s_v, u, q) * p[..., None, None] + ubuf.float().transpose(-1, -2) @ keys
-    return _compress(S, q0)
+    empty = (w == 0).all(-1) & (p == 1)
+    return _keep_empty(empty, _compress(S, q0), (codes, s_k, s_v, u, q))
 '''
 
 _CKPT_IN = {
@@ -123,7 +131,8 @@ def definitions() -> dict[str, dict]:
             "description": ("LeapQuant flush, Kimi Delta Attention (per-key-channel gate): fold a window of L = 16 "
                             "rank-1 updates into an int8 + rank-4 fp16 compressed 128 x 128 state and re-compress it "
                             "(one round of subspace iteration from q0, fp16 tokens, two-sided smoothing scales, "
-                            "round-half-even int8 codes)."),
+                            "round-half-even int8 codes). A head whose window is empty (every w = 0 and pcum = 0) "
+                            "keeps its checkpoint unchanged."),
             "tags": ["model:kimi-linear-48b", "layer:kda"],
             "axes": _AXES, "inputs": kda_in, "outputs": _OUT,
             "constraints": common_constraints + ["0 < gbuf <= 1", "0 <= w <= 1", "pcum <= 0"],
@@ -132,7 +141,8 @@ def definitions() -> dict[str, dict]:
         "leapquant_gdn_flush_h32": {
             "name": "leapquant_gdn_flush_h32", "op_type": "leapquant_flush",
             "description": ("LeapQuant flush, Gated DeltaNet (scalar gate): S = p S_old + sum_j w_j ubuf_j kbuf_j^T, "
-                            "re-compressed as in the KDA flush."),
+                            "re-compressed as in the KDA flush; a head whose window is empty (every w = 0 and p = 1) "
+                            "keeps its checkpoint unchanged."),
             "tags": ["model:qwen3-next", "layer:gated_deltanet"],
             "axes": _AXES, "inputs": gdn_in, "outputs": _OUT,
             "constraints": common_constraints + ["0 < p <= 1", "w >= 0"],

@@ -62,7 +62,8 @@ class PrefetchBuffers:
 class GroupBuffers:
     """The groups' shared memory between phases, ``[group, ...]``: the staged mma operands (window keys and values,
     old tokens), the new tokens, the reduction planes (``red_s``, viewed flat as ``flat_s`` by the scales), P (split
-    into tf32 parts) and Q, the old and new scales, the gate, the Gram partials; and q0 (one copy per CTA)."""
+    into tf32 parts) and Q, the old and new scales, the gate, the Gram partials, the empty-window flags; and q0 (one
+    copy per CTA)."""
     kw_s: object                # window keys, KEY_PARTS bf16 parts, pairs along the window, swizzled (col_word)
     ubw_s: object               # window values, bf16 pairs, swizzled (row_word)
     tok_old_s: object           # old tokens as fp16 mma pairs, [u side (columns), q side (rows)]
@@ -77,6 +78,8 @@ class GroupBuffers:
     skn_s: object               # 1 / new s_k
     rsv_s: object               # 127 / new s_v
     gram_s: object              # Gram partials per pass and orthonormalising warp
+    live_s: object              # [group]: the next program's window holds something (1) or is empty (0):
+    #                             staging.window_live
     q0_s: object
 
 

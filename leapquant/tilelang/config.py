@@ -118,6 +118,9 @@ CK_CHUNKS = CHECKPOINT_WORDS // CHUNK_WORDS     # 1216 16-byte chunks of the che
 ROW_CHUNKS = K // (CODES_PER_WORD * CHUNK_WORDS)    # 8 chunks per row of codes
 CODE_CHUNKS = V * ROW_CHUNKS            # 1024: the codes' chunks come first
 assert CHECKPOINT_BYTES == TOK_BYTE + 2 * R * TOK_ROW and R == 4 and V == K == 128 and L == 16
+#: one warp reads all of a program's weights (L / CHUNK_WORDS 16-byte chunks) and its gate (KDA's pcum: K / CHUNK_WORDS
+#: chunks; GDN's p: one word), a chunk per lane, to test its window for emptiness (staging.window_live)
+assert L // CHUNK_WORDS <= WARP and K // CHUNK_WORDS <= WARP
 
 # ---- ranking -------------------------------------------------------------------------------------------------------
 #: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
@@ -176,6 +179,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
                      + K * P_SPLIT_STRIDE + V * R    # P (split) and Q
                      + 6 * V                    # old s_k, old s_v, gate, new s_k, 127 / s_v, spare
                      + Q_CHOLQR_PASSES * ORTH_WARPS * GRAM_SLOT    # Gram partials of the orthonormalisation
+                     + 1                        # the next program's empty-window flag
                      + CHECKPOINT_WORDS         # prefetch buffers: the checkpoint,
                      + L * (K + V) // HALVES_PER_WORD + L + K)  # kbuf, ubuf, w, pcum (GDN: p)
     if cfg.kda:

@@ -25,6 +25,13 @@ of each:
     (7) codes           encode.codes: round_half_even(127 E / (s_k s_v)), packed four to a word
     (8) window reset    staging.window_reset: w = 0, pcum = 0, gbuf = 1 (GDN: p = 1), done with the staging
 
+A program whose window is empty (every w = 0 and no decay: leapquant.reference.empty_window) is not flushed. The
+warps that reset its window test the prefetched weights and gate first (staging.window_live: one vote per warp) and
+reset only a window that holds something; the test's flag, left in shared memory, rides into the program's own
+iteration as the sign bit of its code, and the checkpoint's stores are predicated on it (prelude's lq_st_*_if). The
+program is otherwise computed like any other: every warp passes the same barriers, so their counts stay as the
+racecheck needs them, and its bytes stay as they were.
+
 Every value of the state and every sum is fp32; the tensor cores see operands that are exact in their input type
 (the tokens, the window values), the window keys split into two bf16 parts (16 significant bits: 2^-16 relative) or
 fp32 values split into two tf32 parts (S P: ~21 of 24 significant bits), so the kernel computes the reference's
@@ -58,7 +65,7 @@ from .project import project, project_t, sum_partials
 from .ranking import ranking
 from .rebuild import rebuild
 from .staging import (load_codes, prefetch, prefetch_first, stage, stage_column, stage_row, stage_window_half,
-                      window_reset)
+                      window_live, window_reset)
 
 
 @dataclass
@@ -74,6 +81,7 @@ class Phases:
     stage_column: object = stage_column
     stage_row: object = stage_row
     stage_window_half: object = stage_window_half
+    window_live: object = window_live
     window_reset: object = window_reset
     rebuild: object = rebuild
     project_t: object = project_t
@@ -87,6 +95,10 @@ class Phases:
     scales_k: object = scales_k
     scales_v: object = scales_v
     codes: object = codes
+
+
+#: the sign bit of a program's code (slot * H + head, int32) in the program loop: set where its window is empty
+EMPTY_CODE_BIT = -(2 ** 31)
 
 
 def make_flush_func(cfg: FlushConfig, phases: Phases | None = None):
@@ -142,6 +154,7 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
             skn_s = T.alloc_shared((GROUPS, K), F32)
             rsv_s = T.alloc_shared((GROUPS, V), F32)
             gram_s = T.alloc_shared((GROUPS, Q_CHOLQR_PASSES, ORTH_WARPS, GRAM_SLOT), F32)
+            live_s = T.alloc_shared((GROUPS,), I32)
             pf_ck = T.alloc_shared((GROUPS, CHECKPOINT_WORDS), I32)
             pf_ckf = T.view(pf_ck, (GROUPS, CHECKPOINT_WORDS), F32)
             pf_ckh = T.view(pf_ck, (GROUPS, CHECKPOINT_WORDS * HALVES_PER_WORD), F16)
@@ -157,6 +170,7 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
             S = T.alloc_local((TILE * TILE,), F32)
             cw = T.alloc_local((TILE * TILE_WORDS,), I32)
             x4 = T.alloc_local((R,), F32)          # one row of P, then of Q (threads t < V)
+            live = T.alloc_local((1,), I32)        # the window about to be reset holds something (window_live)
 
             g = tx // GROUP_THREADS
             t = tx % GROUP_THREADS
@@ -182,7 +196,7 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
             pf = PrefetchBuffers(ck=pf_ck, ckf=pf_ckf, ckh=pf_ckh, kb=pf_kb, ub=pf_ub, gb=pf_gb, w=pf_w, pc=pf_pc)
             sh = GroupBuffers(kw_s=kw_s, ubw_s=ubw_s, tok_old_s=tok_old_s, tok_new_s=tok_new_s, red_s=red_s,
                               flat_s=flat_s, pv_s=pv_s, qv_s=qv_s, sko_s=sko_s, svo_s=svo_s, gate_s=gate_s,
-                              skn_s=skn_s, rsv_s=rsv_s, gram_s=gram_s, q0_s=q0_s)
+                              skn_s=skn_s, rsv_s=rsv_s, gram_s=gram_s, live_s=live_s, q0_s=q0_s)
             th = Thread(tx=tx, g=g, t=t, lane=lane, wr=wr, wc=wc, grp=grp, quad=quad, band_r=band_r, band_c=band_c,
                         rbase=rbase, col0=col0, tr=tr, tc=tc, bar=bar)
             clock.attach(raw32, bid, th)
@@ -211,13 +225,19 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
                         T.evaluate(T.call_extern("handle", "lq_cp_wait_but_last"))
                         T.sync_threads(bar, GROUP_THREADS)      # every thread's staging inputs landed
                         clock.prologue_group(0)
-                        ph.stage(cfg, pool, pf, sh, g, first // H, first % H, t)
+                        ph.window_live(cfg, pf, sh, g, t, live)
+                        ph.stage(cfg, pool, pf, sh, g, first // H, first % H, t, live[0] != 0)
                         clock.prologue_group(1)
                         T.evaluate(T.call_extern("handle", "lq_cp_wait_all"))
                         T.sync_threads(bar, GROUP_THREADS)      # and every thread's codes
                         clock.prologue_group(2)
                     for it in T.serial(n_mine):
-                        prog = dlist[g + GROUPS * it]
+                        # the program's code (slot * H + head), its sign bit set where its window is empty (the flag
+                        # window_live left when it was staged): one value carries both to the stores, which test its
+                        # sign (a flag of its own held through the iteration made ptxas spill more: design note)
+                        code = T.if_then_else(sh.live_s[g] != 0, dlist[g + GROUPS * it],
+                                              dlist[g + GROUPS * it] | EMPTY_CODE_BIT)
+                        prog = code & ~EMPTY_CODE_BIT
                         slot = prog // H
                         head = prog % H
                         base = region_word(slot, head, H)
@@ -301,7 +321,8 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
                             ph.cholesky(sh, th, x4, 1)
                             ph.store_basis(qv_s, th, x4, False)
                         elif more:
-                            ph.window_reset(cfg, pool, nxt // H, nxt % H, st, STAGE_THREADS)
+                            ph.window_live(cfg, pf, sh, g, st, live)
+                            ph.window_reset(cfg, pool, nxt // H, nxt % H, st, STAGE_THREADS, live[0] != 0)
                         clock.segment("window 5: Q's second factor | window reset")
                         T.sync_threads(bar, GROUP_THREADS)
                         clock.segment("barrier: window 5")
@@ -310,17 +331,17 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
                         clock.segment("project_t (S^T Q)")
                         T.sync_threads(bar, GROUP_THREADS)
                         clock.segment("barrier: S^T Q partials")
-                        ph.tokens(pool, sh, th, base)
+                        ph.tokens(pool, sh, th, base, code)
                         clock.segment("tokens")
                         T.sync_threads(bar, GROUP_THREADS)
                         clock.segment("barrier: tokens")
                         ph.residual(sh, th, S)
                         clock.segment("residual")
-                        ph.scales_k(pool, sh, th, S, base)
+                        ph.scales_k(pool, sh, th, S, base, code)
                         clock.segment("scales_k")
-                        ph.scales_v(pool, sh, th, S, base)
+                        ph.scales_v(pool, sh, th, S, base, code)
                         clock.segment("scales_v")
-                        ph.codes(pool, sh, th, S, base)
+                        ph.codes(pool, sh, th, S, base, code)
                         clock.segment("codes")
                     clock.group_end()
                     T.sync_threads()

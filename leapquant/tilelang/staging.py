@@ -8,6 +8,11 @@ fetched in two commit groups (:func:`prefetch_first`). The staging then reads on
 fragments read. A round's first program is staged by the whole group (:func:`stage`); every later one by the staging
 warps in the orthonormalisation's windows, piece by piece (:func:`stage_column`, :func:`stage_row`,
 :func:`stage_window_half`, :func:`window_reset`).
+
+A program whose window is empty (every weight 0 and no decay: leapquant.reference.empty_window) is not flushed:
+:func:`window_live` tests it where its window is reset and leaves a flag in shared memory for its checkpoint's
+stores (:mod:`leapquant.tilelang.encode`); every store of the program is predicated on that test. The program is
+computed like any other, so every warp of the group passes the same barriers.
 """
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ import tilelang.language as T
 from ..numerics import K, L, R, V
 from .buffers import code_chunk, col_word, region_word, row_word
 from .config import (CHUNK_HALVES, CHUNK_WORDS, CK_CHUNKS, CODE_CHUNKS, CODES_PER_WORD, F16, F32, GROUP_THREADS,
-                     HALF_WINDOW, KEY_PARTS, QMAXF, QUADS, ROW_CHUNKS, ROW_STEP, SK_WORD, SV_WORD, TILE, TILE_WORDS,
-                     TOK_HALF, TOK_ROW, U32, WINDOW_CHUNKS)
+                     HALF_WINDOW, I32, KEY_PARTS, QMAXF, QUADS, ROW_CHUNKS, ROW_STEP, SK_WORD, SV_WORD, TILE,
+                     TILE_WORDS, TOK_HALF, TOK_ROW, U32, WARP, WINDOW_CHUNKS)
 
 
 @T.macro
@@ -81,6 +86,32 @@ def prefetch_first(cfg, pool, pf, g, slot, head, t):
                                  T.address_of(pf.ck[g, code_chunk(e // ROW_CHUNKS, e % ROW_CHUNKS) * CHUNK_WORDS]),
                                  T.address_of(pool.raw32[base + e * CHUNK_WORDS])))
     T.evaluate(T.call_extern("handle", "lq_cp_commit"))
+
+
+@T.macro
+def window_live(cfg, pf, sh, g, t, live):
+    """Whether group ``g``'s prefetched program has anything to fold: ``live[0]`` (a local int32) becomes 1 when some
+    weight is not 0 or its gate decays the checkpoint (KDA: some pcum is not 0; GDN: p is not 1), 0 when its window is
+    empty (a NaN counts as something, -0.0 as zero: the complement of leapquant.reference.empty_window); thread
+    ``t == 0`` also records it in ``sh.live_s[g]`` for the program's own stores (read after a later barrier). Each
+    calling warp reads the weights and gate whole, a 16-byte chunk per lane, after the barrier that follows their
+    copies, and combines them by one vote, so its own stores can test ``live[0]`` without a barrier."""
+    lane = t % WARP
+    nz = T.alloc_local((1,), I32)
+    nz[0] = 0
+    if lane < L // CHUNK_WORDS:
+        for c in T.unroll(CHUNK_WORDS):
+            nz[0] = nz[0] | T.if_then_else(pf.w[g, lane * CHUNK_WORDS + c] != 0.0, 1, 0)
+    if cfg.kda:
+        if lane < K // CHUNK_WORDS:
+            for c in T.unroll(CHUNK_WORDS):
+                nz[0] = nz[0] | T.if_then_else(pf.pc[g, lane * CHUNK_WORDS + c] != 0.0, 1, 0)
+    else:
+        if lane == 0:
+            nz[0] = nz[0] | T.if_then_else(pf.pc[g, 0] != 1.0, 1, 0)
+    live[0] = T.if_then_else(T.call_extern(I32, "lq_warp_any", nz[0]) != 0, 1, 0)
+    if t == 0:
+        sh.live_s[g] = live[0]
 
 
 @T.macro
@@ -158,33 +189,35 @@ def stage_row(pf, sh, g, c):
 
 
 @T.macro
-def window_reset(cfg, pool, slot, head, t, nthreads):
+def window_reset(cfg, pool, slot, head, t, nthreads, live):
     """The program's window reset in the pool (w = 0, pcum = 0, gbuf = 1; GDN p = 1) by ``nthreads`` threads, 16 bytes
-    per store. The staging reads the window from the prefetch buffers, so the reset only has to follow the copies:
-    every issuing thread waited for its own and synchronised with the others."""
-    if t < L // CHUNK_WORDS:
-        for c in T.vectorized(CHUNK_WORDS):
-            pool.w[slot, head, t * CHUNK_WORDS + c] = 0.0
-    if cfg.kda:
-        for k in T.unroll(WINDOW_CHUNKS // nthreads):
-            h0 = (k * nthreads + t) * CHUNK_HALVES
-            for c in T.vectorized(CHUNK_HALVES):
-                pool.gbuf[slot, head, h0 // K, h0 % K + c] = T.cast(1.0, F16)
-        if t < K // CHUNK_WORDS:
+    per store, where ``live`` (its window is not empty: an empty one is left as it is). The staging reads the window
+    from the prefetch buffers, so the reset only has to follow the copies: every issuing thread waited for its own
+    and synchronised with the others."""
+    if live:
+        if t < L // CHUNK_WORDS:
             for c in T.vectorized(CHUNK_WORDS):
-                pool.pcum[slot, head, t * CHUNK_WORDS + c] = 0.0
-    else:
-        if t == 0:
-            pool.p[slot, head] = 1.0
+                pool.w[slot, head, t * CHUNK_WORDS + c] = 0.0
+        if cfg.kda:
+            for k in T.unroll(WINDOW_CHUNKS // nthreads):
+                h0 = (k * nthreads + t) * CHUNK_HALVES
+                for c in T.vectorized(CHUNK_HALVES):
+                    pool.gbuf[slot, head, h0 // K, h0 % K + c] = T.cast(1.0, F16)
+            if t < K // CHUNK_WORDS:
+                for c in T.vectorized(CHUNK_WORDS):
+                    pool.pcum[slot, head, t * CHUNK_WORDS + c] = 0.0
+        else:
+            if t == 0:
+                pool.p[slot, head] = 1.0
 
 
 @T.macro
-def stage(cfg, pool, pf, sh, g, slot, head, t):
+def stage(cfg, pool, pf, sh, g, slot, head, t, live):
     """The whole staging of a program by the whole group (the first program of a round; the others are staged by the
     staging warps while the previous one is orthonormalised): scales and gate into shared memory (fp32); tokens,
     window values and the window keys into shared memory as the packed pairs the mma fragments read; then the window
-    reset in the pool. Thread t takes column and row c = t % K and window half t // K; the column work goes to half 0,
-    the row work to half 1. (The codes stay in the prefetch buffer: :func:`load_codes`.)"""
+    reset in the pool where ``live``. Thread t takes column and row c = t % K and window half t // K; the column work
+    goes to half 0, the row work to half 1. (The codes stay in the prefetch buffer: :func:`load_codes`.)"""
     c = t % K
     h = t // K                                  # warp-uniform: warps 0-3 take the older half
     stage_window_half(cfg, pf, sh, g, c, h)
@@ -192,4 +225,4 @@ def stage(cfg, pool, pf, sh, g, slot, head, t):
         stage_column(cfg, pf, sh, g, c)
     else:
         stage_row(pf, sh, g, c)
-    window_reset(cfg, pool, slot, head, t, GROUP_THREADS)
+    window_reset(cfg, pool, slot, head, t, GROUP_THREADS, live)

@@ -34,6 +34,10 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
 Phases (6)-(8), the item's tail, of item i run during item i + 1 (:func:`_flush_item`): beside its rebuild, P and Q,
 at the same barriers.
 
+An item whose window is empty (every w_j = 0 and no decay: :func:`_window_live`, leapquant.reference.empty_window's
+test on the staged weights and gate) is computed like any other, so that every warp passes the same barriers, but
+none of its stores happen (tokens, scales, codes, window reset): its checkpoint and window stay bitwise as they were.
+
 Every value of the state and every sum is fp32; the tensor cores only see operands exact in their input type (or
 the keys to 2^-17), so the kernel computes the reference's arithmetic up to the order of the sums, the rounding of
 1 / s_v (one ulp) and of 2^15 s_k / 127 (one ulp: _CODE_SCALE). The measurements behind each choice and what limits
@@ -221,7 +225,8 @@ class ExchangeBuffers:
     """The exchanges' own buffers, each exchange in one round: the partials of four column sums [16, K, 2, 2]
     (COLSUM4_XCHG_SMEM) and of four row sums [V, 16, 2, 2] (ROWSUM4_XCHG_SMEM); four sums to every warp [V, 2, 2]
     (SUMS4_XCHG_SMEM); P's and Q's four vectors redistributed to STATE_COLS / STATE_ROWS [128, 2, 2]; the partials of
-    one column sum [16, K] and of one row sum [V, 16], and those sums [K], [V]; the window keys' bf16 parts [K, L]."""
+    one column sum [16, K] and of one row sum [V, 16], and those sums [K], [V]; the window keys' bf16 parts [K, L];
+    the item's window flag [1] int32 (:func:`_window_live`)."""
     colsum4: gl.shared_memory_descriptor
     rowsum4: gl.shared_memory_descriptor
     sums4: gl.shared_memory_descriptor
@@ -233,9 +238,11 @@ class ExchangeBuffers:
     vvec: gl.shared_memory_descriptor
     keys_hi: gl.shared_memory_descriptor
     keys_lo: gl.shared_memory_descriptor
+    live: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, colsum4, rowsum4, sums4, to_cols4, to_rows4, colsum1, rowsum1, kvec, vvec, keys_hi, keys_lo):
+    def __init__(self, colsum4, rowsum4, sums4, to_cols4, to_rows4, colsum1, rowsum1, kvec, vvec, keys_hi, keys_lo,
+                 live):
         self.colsum4 = colsum4
         self.rowsum4 = rowsum4
         self.sums4 = sums4
@@ -247,6 +254,7 @@ class ExchangeBuffers:
         self.vvec = vvec
         self.keys_hi = keys_hi
         self.keys_lo = keys_lo
+        self.live = live
 
 
 @gluon.jit
@@ -293,6 +301,10 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: gl.constexpr, HP
 
 
 # ---- staging: the next item's inputs into shared memory --------------------------------------------------------------
+#: the flag an item's code carries when its window is empty (:func:`_flush_item`): codes are slot * H + head < 2^62
+_EMPTY_FLAG = gl.constexpr(1 << 62)
+
+
 @gluon.jit
 def _region(code, H, SS):
     """An item code slot * H + head (int64) -> (first fp32 word of its pool region, its row of the window tensors)."""
@@ -401,10 +413,10 @@ def _stage_keys(staged, hi_s, lo_s, IS_KDA: gl.constexpr):
 
 
 @gluon.jit
-def _rebuild(staged, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
+def _rebuild(staged, hi_s, lo_s, p, IS_KDA: gl.constexpr):
     """S [V, K] fp32 (STATE) = (codes s_k / 127 s_v + q^T u) * gate + ubuf^T keys, keys_j = w_j kbuf_j D_j, from the
-    staged inputs: the dequantisation on the CUDA cores, both rank updates on the tensor cores (the keys as bf16
-    parts through hi_s / lo_s)."""
+    staged inputs (the gate: exp(pcum) for KDA, the loaded scalar ``p`` for GDN): the dequantisation on the CUDA
+    cores, both rank updates on the tensor cores (the keys as bf16 parts through hi_s / lo_s)."""
     a = staged.scales.slice(0, _K).load(STATE_COLS) * _CODE_SCALE
     s_v = staged.scales.slice(_K, _V).load(STATE_ROWS)
     x = gl.inline_asm_elementwise(_CODE_BYTES_ASM, "=r,=r,r", [staged.codes.load(STATE)], dtype=gl.float32,
@@ -415,7 +427,7 @@ def _rebuild(staged, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     if IS_KDA:
         S = S * gl.exp(staged.pcum.load(STATE_COLS))[None, :]
     else:
-        S = S * gl.load(gate_ptr + prog)
+        S = S * p
     # the window: keys_j = w_j kbuf_j D_j as bf16 parts in hi_s / lo_s, made here rather than one item ahead (ahead
     # they measured 2.1 % faster for KDA without the tail overlap, 1.5 % slower beside the previous item's tail)
     _stage_keys(staged, hi_s, lo_s, IS_KDA)
@@ -424,6 +436,33 @@ def _rebuild(staged, hi_s, lo_s, gate_ptr, prog, IS_KDA: gl.constexpr):
     S = mma_v2(ubT, hi_s.permute([1, 0]).load(B_OP), S)
     S = mma_v2(ubT, lo_s.permute([1, 0]).load(B_OP), S)
     return S
+
+
+# ---- the empty window: nothing to fold -------------------------------------------------------------------------------
+@gluon.jit
+def _window_live(staged, p, live_s, IS_KDA: gl.constexpr):
+    """Writes to ``live_s`` ([1] int32) whether the staged window holds anything to fold (1) or not (0): some weight
+    w_j is not 0, or the gate decays the checkpoint (KDA: some pcum is not 0; GDN: the loaded ``p`` is not 1). A NaN
+    counts as something, -0.0 as zero: the complement of leapquant.reference.empty_window. Both vectors are read whole
+    by every warp (WARP_VEC: one 16-byte load per thread each), so the reductions stay inside each warp (shuffles, an
+    integer redux): no barrier. The flag goes to shared memory, read back where the stores need it
+    (:func:`_window_flag`): a store cannot move past the caller's next barrier, so the test runs while the staged
+    vectors are in hand; a flag kept in registers instead was computed by ptxas near its use, the loaded vectors held
+    across the item (KDA spilled 28-104 bytes)."""
+    w = staged.w.load(WARP_VEC)
+    live = gl.max((w != 0.0).to(gl.int32), 0)
+    if IS_KDA:
+        pc = staged.pcum.load(WARP_VEC)
+        live = gl.maximum(live, gl.max((pc != 0.0).to(gl.int32), 0))
+    else:
+        live = gl.maximum(live, (p != 1.0).to(gl.int32))
+    live_s.store(gl.zeros([1], gl.int32, layout=WORDS) + live)
+
+
+@gluon.jit
+def _window_flag(live_s):
+    """After a barrier: the flag :func:`_window_live` wrote, as a scalar bool."""
+    return gl.max(live_s.load(WORDS), 0) != 0
 
 
 # ---- (2) project: the products S^T x, S x (and the other reductions over S) ----------------------------------------
@@ -603,18 +642,18 @@ def _orthonormalize(c0, c1, c2, c3, PASSES: gl.constexpr):
 
 # ---- (4) tokens ----------------------------------------------------------------------------------------------------
 @gluon.jit
-def _store_tokens(tok, new_s, U4, Q4):
+def _store_tokens(tok, new_s, U4, Q4, valid):
     """u = fp16(clamp(U^T)), q = fp16(Q^T) from U, Q stacked [V, 2, 2] (rank i + 2 j at [:, i, j], as two joins of
-    WARP_VEC vectors build them) to the pool's token rows and to ``new_s`` [16, K + V] fp16 (rows 0..7; 8..15 stay
-    zero)."""
+    WARP_VEC vectors build them) to the pool's token rows where ``valid`` and to ``new_s`` [16, K + V] fp16 (rows
+    0..7; 8..15 stay zero)."""
     u16 = gl.convert_layout(gl.minimum(gl.maximum(U4, -_FP16_MAX), _FP16_MAX).to(gl.float16), WARP_VEC4)
     q16 = gl.convert_layout(Q4.to(gl.float16), WARP_VEC4)
     v = gl.arange(0, _V, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_VEC4)))
     i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_VEC4)))
     j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, WARP_VEC4)))
     at = tok + (i[None, :, None] + 2 * j[None, None, :]) * _TOK_ROW + v[:, None, None]
-    gl.store(at, u16)
-    gl.store(at + _K, q16)
+    gl.store(at, u16, mask=valid)
+    gl.store(at + _K, q16, mask=valid)
     # rank i + 2 j = row of new_s: [V, i, j] -> [j, i, V] -> [R, V], then ranks R..7 zero (the swizzled buffer's
     # rows split only at multiples of 8)
     u8 = gl.reshape(gl.permute(u16, [2, 1, 0]), [_R, _K])
@@ -697,17 +736,19 @@ def _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_pt
 @gluon.jit
 def _flush_tail(E, xb, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA: gl.constexpr):
     """The last item's tail on its own (its column partials already written by :func:`_flush_item`); ``xb``:
-    :class:`ExchangeBuffers`."""
-    region, prog = _region(code, H, SS)
+    :class:`ExchangeBuffers`; ``code``: the item's code as :func:`_flush_item` returns it (flagged: nothing is
+    stored)."""
+    region, prog = _region(code & (_EMPTY_FLAG - 1), H, SS)
+    live = code < _EMPTY_FLAG
     gl.thread_barrier()
     xb.kvec.store(gl.sum(xb.colsum1.load(COLSUM_PARTS), 0))
     gl.thread_barrier()
-    x = _scale_k(E, xb.kvec.load(STATE_COLS), xb.rowsum1, raw_f32 + region + _SK_WORD, True)
+    x = _scale_k(E, xb.kvec.load(STATE_COLS), xb.rowsum1, raw_f32 + region + _SK_WORD, live)
     gl.thread_barrier()
     xb.vvec.store(gl.max(xb.rowsum1.load(ROWSUM_PARTS), 1))
     gl.thread_barrier()
     s_v, codes = _scale_v_and_codes(x, xb.vvec.load(STATE_ROWS))
-    _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region, prog, True, IS_KDA)
+    _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region, prog, live, IS_KDA)
 
 
 # ---- one item, phase by phase, beside the previous item's tail ---------------------------------------------------
@@ -716,17 +757,27 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
                 gbuf_ptr, code, code_next, has_next, E_prev, code_prev, has_prev, H, SS, IS_KDA: gl.constexpr):
     """Flush item ``code`` (its inputs already in ``staged``, :class:`StagedInputs`) up to its residual E [V, K]
     (STATE), returned with the partials of its first scale written (the next call or :func:`_flush_tail` finishes
-    it), and start copying ``code_next``'s inputs as soon as the buffers are read. Beside its rebuild, P and Q it
-    finishes the previous item ``code_prev`` from its residual ``E_prev`` (stores only where ``has_prev``): the two
-    items share their barriers (``xb``: :class:`ExchangeBuffers`), and each one's exchanges and reductions fill the
-    other's waits - one 8-warp program per SM has no other warps to hide them (measured 6.0 % faster all due for KDA,
-    6.6 % for GDN at batch 256 on the H200 than the same loop without the overlap; docs/design-triton.md)."""
-    region, prog = _region(code, H, SS)
-    region_prev, prog_prev = _region(code_prev, H, SS)
+    it), and start copying ``code_next``'s inputs as soon as the buffers are read. Also returned: ``code``, with
+    _EMPTY_FLAG set where its window is empty (:func:`_window_live`): then none of its stores happen, neither its
+    tokens here nor its tail there (the flag rides on the code, which the loop carries anyway). Beside its rebuild,
+    P and Q it finishes the previous item ``code_prev`` (as returned for it) from its residual ``E_prev`` (stores
+    only where ``has_prev`` and its code is not flagged): the two items share their barriers (``xb``:
+    :class:`ExchangeBuffers`), and each one's exchanges and reductions fill the other's waits - one 8-warp program
+    per SM has no other warps to hide them (measured 6.0 % faster all due for KDA, 6.6 % for GDN at batch 256 on the
+    H200 than the same loop without the overlap; docs/design-triton.md)."""
+    region_prev, prog_prev = _region(code_prev & (_EMPTY_FLAG - 1), H, SS)
+    if IS_KDA:
+        p = 1.0                                 # (GDN's gate; KDA's is pcum, staged)
+    else:
+        p = gl.load(gate_ptr + code)            # (an item's code is its row of the window tensors)
+    # an empty window (every w_j = 0, no decay) is not flushed: the item computes as any other (every warp passes the
+    # same barriers) and its stores are masked
+    _window_live(staged, p, xb.live, IS_KDA)
+    has_prev = has_prev & (code_prev < _EMPTY_FLAG)
 
     # (1) rebuild, from the staged inputs, which then take the next item's copies | previous: column sums of |E|
     part = xb.colsum1.load(COLSUM_PARTS)
-    S = _rebuild(staged, xb.keys_hi, xb.keys_lo, gate_ptr, prog, IS_KDA)
+    S = _rebuild(staged, xb.keys_hi, xb.keys_lo, p, IS_KDA)
     xb.kvec.store(gl.sum(part, 0))
     gl.thread_barrier()
     _stage_inputs(staged, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code_next,
@@ -769,13 +820,15 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     U0, U1, U2, U3 = _get4(xb.sums4)
 
     # (4) tokens; (5) residual, with exactly the stored tokens (read back from shared memory after a barrier)
+    live = _window_flag(xb.live)
+    region, _ = _region(code, H, SS)
     _store_tokens(raw_f16 + region * 2 + _TOK_HALF, new_s, gl.join(gl.join(U0, U1), gl.join(U2, U3)),
-                  gl.join(gl.join(c0, c1), gl.join(c2, c3)))
+                  gl.join(gl.join(c0, c1), gl.join(c2, c3)), live)
     gl.thread_barrier()
     E = _residual(S, new_s)
     # (6) the first step of the scales, read after the next barrier (the next item's or _flush_tail's)
     _scale_k_partials(E, xb.colsum1)
-    return E
+    return E, gl.where(live, code, code | _EMPTY_FLAG)
 
 
 # ---- the kernel ----------------------------------------------------------------------------------------------------
@@ -815,7 +868,8 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
                          gl.allocate_shared_memory(gl.float32, [_K], PLAIN1_SMEM),
                          gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM),
                          gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
-                         gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM))
+                         gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
+                         gl.allocate_shared_memory(gl.int32, [1], PLAIN1_SMEM))
     raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
 
     t = pid
@@ -839,11 +893,11 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
             code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
             async_copy.wait_group(0)
             gl.thread_barrier()                  # this item's copies (every thread's) landed and are visible
-            E = _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr,
-                            gate_ptr, gbuf_ptr, code, code_next, t_next < total, E, code_prev, t > pid, H, SS,
-                            IS_KDA)
+            E, kept = _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr,
+                                  w_ptr, gate_ptr, gbuf_ptr, code, code_next, t_next < total, E, code_prev, t > pid,
+                                  H, SS, IS_KDA)
             if t_next >= total:                  # the last item's tail now, with nothing beside it
-                _flush_tail(E, xb, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA)
-            code_prev = code
+                _flush_tail(E, xb, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, kept, H, SS, IS_KDA)
+            code_prev = kept                     # (flagged where its window was empty: its tail stores nothing)
             code = code_next
             t = t_next

@@ -10,12 +10,14 @@ A fixed grid of ``G`` persistent programs. Each first ranks the call's due progr
 alike, so the split is balanced (+-1 item) however unevenly the due programs are spread over the rows, and no program
 waits for another; a call with nothing due is this one launch.
 
-One item = one due (slot, head) program (:func:`_flush_item`), in fp32 registers, phase by phase as docs/spec.md
-section 2 names them: (1) rebuild the state S [V, K] (the window as one fp32 FMA matrix product); (2) project and
-(3) orthonormalise: one subspace iteration from q0, P = orth(S^T q0), Q = orth(S P), U = S^T Q, each product one
-batched reduction, orth = CholeskyQR with floored pivots (passes and floors: leapquant.numerics, shared by every
-kernel); (4) tokens in fp16; (5) residual E = S - q^T u with the rounded tokens; (6) smoothing scales; (7) codes;
-(8) window reset.
+One item = one due (slot, head) program (:func:`_flush_item`), in fp32 registers. An item whose window is empty
+(every weight 0 and no decay: :func:`_window_live`, leapquant.reference.empty_window's test on the weights and gate
+that the rebuild loads anyway) is skipped whole, so a second flush without a decode step in between writes nothing.
+Any other item runs phase by phase as docs/spec.md section 2 names them (:func:`_flush_program`): (1) rebuild the
+state S [V, K] (the window as one fp32 FMA matrix product); (2) project and (3) orthonormalise: one subspace iteration
+from q0, P = orth(S^T q0), Q = orth(S P), U = S^T Q, each product one batched reduction, orth = CholeskyQR with
+floored pivots (passes and floors: leapquant.numerics, shared by every kernel); (4) tokens in fp16; (5) residual
+E = S - q^T u with the rounded tokens; (6) smoothing scales; (7) codes; (8) window reset.
 
 The kernel runs unchanged under the interpreter: bf16/fp16 values are converted to fp32 right after each load, and
 the codes are converted with fp32 and integer arithmetic only (no libdevice, which the interpreter lacks).
@@ -156,20 +158,20 @@ def _code_to_f32(b):
 
 
 @triton.jit
-def _rebuild(codes, s_k, s_v, tok, kb, ub, wp, gb, gp, gate_ptr, prog, rv, rk, IS_KDA: tl.constexpr):
+def _rebuild(codes, s_k, s_v, tok, kb, ub, w, gb, gate_in, rv, rk, IS_KDA: tl.constexpr):
     """S [V, K] fp32 = (q^T u + codes * s_k / 127 * s_v) * gate + sum_j w_j ubuf_j (outer) (kbuf_j * D_j), from the
-    item's codes (uint8 [V, K]) and scales (loaded), its token rows ``tok`` and window rows (kb, ub, wp, gb; gp: its
-    pcum row for KDA, gate_ptr + prog its p for GDN).
+    item's codes (uint8 [V, K]) and scales (loaded), its token rows ``tok``, window rows (kb, ub, gb), its weights
+    ``w`` fp32 [L] and ``gate_in`` (loaded: the pcum row fp32 [K] for KDA, the scalar p for GDN).
 
     S stays in a blocked layout whose column sums stay inside each thread: a tensor-core tl.dot moved S to the MMA
     layout and made every later reduction dearer (measured 17 % slower on the H200: docs/design-triton.md). The gate
     is folded into the column factors (KDA) or the row factors (GDN): one multiply per element less."""
     if IS_KDA:
-        gate = tl.exp(tl.load(gp + rk))                         # [K]
+        gate = tl.exp(gate_in)                                  # [K]
         col = s_k / _QMAX * gate
         row = s_v
     else:
-        gate = tl.load(gate_ptr + prog)                         # scalar p
+        gate = gate_in                                          # scalar p
         col = s_k / _QMAX
         row = s_v * gate
     S = _code_to_f32(codes) * col[None, :] * row[:, None]
@@ -183,7 +185,7 @@ def _rebuild(codes, s_k, s_v, tok, kb, ub, wp, gb, gp, gate_ptr, prog, rv, rk, I
     # (4 x 4 per thread), the same fp32 products and sums as 16 rank-1 updates, without their 32 global loads per
     # thread (the rank-1 loop's vectors were loaded per entry: measured 14 % slower, docs/design-triton.md)
     rl = tl.arange(0, _L)
-    keys = tl.load(kb + rl[:, None] * _K + rk[None, :]).to(tl.float32) * tl.load(wp + rl)[:, None]
+    keys = tl.load(kb + rl[:, None] * _K + rk[None, :]).to(tl.float32) * w[:, None]
     if IS_KDA:
         g_next = tl.load(gb + (rl[:, None] + 1) * _K + rk[None, :], mask=rl[:, None] + 1 < _L, other=1.0)
         keys = keys * tl.cumprod(g_next.to(tl.float32), 0, reverse=True)      # D_j = prod_{i > j} gbuf[i]
@@ -278,11 +280,27 @@ def _reset_window(wp, gp, gb, gate_ptr, prog, rk, IS_KDA: tl.constexpr):
         tl.store(gate_ptr + prog, 1.0)
 
 
+# ---- the empty window: nothing to fold -------------------------------------------------------------------------------
+@triton.jit
+def _window_live(w, gate_in, IS_KDA: tl.constexpr):
+    """Whether the window holds anything to fold (int32 scalar, 0 or 1): some weight of ``w`` fp32 [L] is not 0, or
+    the gate decays the checkpoint (KDA: some pcum of ``gate_in`` fp32 [K] is not 0; GDN: the scalar p is not 1).
+    A NaN counts as something; -0.0 as zero. The complement of leapquant.reference.empty_window, on the values the
+    rebuild reads."""
+    live = tl.max((w != 0.0).to(tl.int32), 0)
+    if IS_KDA:
+        live = live | tl.max((gate_in != 0.0).to(tl.int32), 0)
+    else:
+        live = live | (gate_in != 1.0).to(tl.int32)
+    return live
+
+
 # ---- one item, phase by phase ----------------------------------------------------------------------------------------
 @triton.jit
 def _flush_item(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr,
                 slot, head, H, SS, IS_KDA: tl.constexpr):
-    """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]."""
+    """Flush program (slot, head) in place: slot, head int64 scalars; q0 fp32 [V, R]. A program whose window is empty
+    (:func:`_window_live`) is left untouched: nothing past its weights and gate is read, nothing is written."""
     rv = tl.arange(0, _V)
     rk = tl.arange(0, _K)
     # first fp32 word of the (slot, head) region, and the row of the dense window tensors. The alignment hints
@@ -299,10 +317,25 @@ def _flush_item(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     sk_p = raw_f32 + region + _SK_WORD + rk
     sv_p = raw_f32 + region + _SV_WORD + rv
     tok = raw_f16 + region * 2 + _TOK_HALF
+    # the weights and the gate, read once: the emptiness test and the rebuild use them
+    w = tl.load(wp + tl.arange(0, _L))
+    if IS_KDA:
+        gate_in = tl.load(gp + rk)                              # pcum [K]
+    else:
+        gate_in = tl.load(gate_ptr + prog)                      # p
+    if _window_live(w, gate_in, IS_KDA) != 0:
+        _flush_program(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog, w, gate_in, q0_ptr, rv, rk,
+                       IS_KDA)
 
+
+@triton.jit
+def _flush_program(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog, w, gate_in, q0_ptr, rv, rk,
+                   IS_KDA: tl.constexpr):
+    """The flush of one program whose window is not empty, phase by phase: codes_p uint8 pointers [V, K], sk_p /
+    sv_p fp32 pointers [K] / [V], tok the fp16 token rows, kb / ub / wp / gb / gp its window rows, w fp32 [L] and
+    gate_in (pcum fp32 [K] or p) already loaded."""
     # ---- (1) rebuild: S = (q^T u + codes * s_k / 127 * s_v) * gate + sum_j w_j ubuf_j (outer) (kbuf_j * D_j) ----
-    S = _rebuild(tl.load(codes_p), tl.load(sk_p), tl.load(sv_p), tok, kb, ub, wp, gb, gp, gate_ptr, prog, rv, rk,
-                 IS_KDA)
+    S = _rebuild(tl.load(codes_p), tl.load(sk_p), tl.load(sv_p), tok, kb, ub, w, gb, gate_in, rv, rk, IS_KDA)
 
     # ---- (2) project, (3) orthonormalise: one subspace iteration from q0 ----
     # P = orth(S^T q0) [K, R], Q = orth(S P) [V, R], U = S^T Q [K, R]
