@@ -1145,14 +1145,17 @@ def timing_inputs(data: CheckData | str | None, batch: int, heads: int, gate: st
     return {k: CheckData._tile(v.to(device), batch) for k, v in t.items()}
 
 
-def time_target(run: Run, tgt: Target, call: Callable[[int], None]) -> tuple[list[float], str]:
+def time_target(run: Run, tgt: Target, call: Callable[[int], None],
+                prepare: Callable[[int], None] | None = None) -> tuple[list[float], str]:
     """Per-call samples (us) of ``call(s)`` over the slot sets and the method's label, by ``--timer``: the profiler's
     kernel time of graph replays, the host's wall-clock, or CUDA events (around graph replays, or around the eager
     call for ``eager`` and for the host-synchronising reference); on a CPU, wall-clock."""
     a, plan = run.args, run.plan
     kernel = plan.on_gpu and tgt.name != "reference"
     if kernel and a.timer == "kernel":
-        return time_calls_kernel(call, a.rotate, plan.repeats, plan.device)
+        return time_calls_kernel(call, a.rotate, plan.repeats, plan.device, prepare=prepare)
+    if prepare is not None:
+        call = (lambda f: (lambda s: (prepare(s), f(s))))(call)
     if a.timer == "wall":
         return time_calls_wall(call, a.rotate, plan.repeats, plan.device, a.max_seconds)
     return time_calls(call, a.rotate, plan.repeats, plan.device, a.max_seconds, capture=kernel and a.timer == "graph",
@@ -1173,7 +1176,15 @@ def time_due(run: Run, tgt: Target, pool, gate: str, batch: int, due: str, sets:
         pool.hcnt[slots] = pattern[s]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    samples, method = time_target(run, tgt, lambda s: tgt.flush(pool, idx[s], run.q0))
+    # a flush empties the windows it folds, and a flush of an empty window writes nothing: every timed call gets its
+    # windows' weights and gate back first (outside its time under --timer kernel)
+    gate_name = "pcum" if gate == "kda" else "p"
+    saved = [(pool.w[slots].clone(), getattr(pool, gate_name)[slots].clone()) for slots in sets]
+
+    def prepare(s: int) -> None:
+        pool.w[sets[s]] = saved[s][0]
+        getattr(pool, gate_name)[sets[s]] = saved[s][1]
+    samples, method = time_target(run, tgt, lambda s: tgt.flush(pool, idx[s], run.q0), prepare)
     row.due_programs = ndue
     row.median_us, row.p20_us, row.p80_us = (_percentile(samples, 50), _percentile(samples, 20),
                                              _percentile(samples, 80))
