@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -271,18 +270,9 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
 
 # ---- the record ----------------------------------------------------------------------------------------------------
 def git_commit(default: str = "unknown") -> str:
-    """Short commit of the checkout holding this package ("-dirty" when tracked files differ), or ``default``."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10)
-        if sha.returncode != 0 or not sha.stdout.strip():
-            return default
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return default
+    """The checkout's short commit (leapquant.bench.git_commit: one definition)."""
+    from .bench import git_commit as commit
+    return commit(default)
 
 
 def markdown_table(results: list[Result]) -> str:

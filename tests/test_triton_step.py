@@ -158,6 +158,17 @@ def test_empty_idx_launches_nothing():
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+# the step kernels' signature for an ahead-of-time compile (both kernels; the portable one adds BV)
+_SIGNATURE = r"""
+sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
+       "w_ptr": "*fp32", "gate_ptr": "*fp32", "gbuf_ptr": "*fp16" if kda else "*fp32", "hcnt_ptr": "*i32",
+       "idx_ptr": "*i32", "qkv_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
+       "dt_ptr": "*fp32", "out_ptr": "*bf16", "num_slots": "i32", "SS": "i32", "qkv_stride": "i32",
+       "a_stride": "i32", "b_stride": "i32", "H": "constexpr", "HK": "constexpr", "IS_KDA": "constexpr",
+       "BETA_BF16": "constexpr"}
+"""
+
+
 # ---- ahead-of-time compile for a GPU ---------------------------------------------------------------------------------
 _COMPILE = r"""
 import json, sys
@@ -167,12 +178,8 @@ from triton.compiler import ASTSource
 from leapquant.triton import step_kernel
 gate = sys.argv[1]
 kda = gate == "kda"
-sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
-       "w_ptr": "*fp32", "gate_ptr": "*fp32", "gbuf_ptr": "*fp16" if kda else "*fp32", "hcnt_ptr": "*i32",
-       "idx_ptr": "*i32", "qkv_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
-       "dt_ptr": "*fp32", "out_ptr": "*bf16", "num_slots": "i32", "SS": "i32", "qkv_stride": "i32",
-       "a_stride": "i32", "b_stride": "i32", "H": "constexpr", "HK": "constexpr", "IS_KDA": "constexpr",
-       "BETA_BF16": "constexpr", "BV": "constexpr"}
+""" + _SIGNATURE + r"""
+sig["BV"] = "constexpr"
 names = list(sig)
 assert names == list(step_kernel.step_kernel.arg_names), step_kernel.step_kernel.arg_names
 const = {"H": 32, "HK": 32 if kda else 16, "IS_KDA": kda, "BETA_BF16": True, "BV": step_kernel.BV}
@@ -293,12 +300,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from leapquant.triton import gluon_step_kernel as m
 cap, gate = int(sys.argv[1]), sys.argv[2]
 kda = gate == "kda"
-sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
-       "w_ptr": "*fp32", "gate_ptr": "*fp32", "gbuf_ptr": "*fp16" if kda else "*fp32", "hcnt_ptr": "*i32",
-       "idx_ptr": "*i32", "qkv_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "A_log_ptr": "*fp32",
-       "dt_ptr": "*fp32", "out_ptr": "*bf16", "num_slots": "i32", "SS": "i32", "qkv_stride": "i32",
-       "a_stride": "i32", "b_stride": "i32", "H": "constexpr", "HK": "constexpr", "IS_KDA": "constexpr",
-       "BETA_BF16": "constexpr"}
+""" + _SIGNATURE + r"""
 names = list(sig)
 assert names == list(m.step_kernel.arg_names), m.step_kernel.arg_names
 const = {"H": 32, "HK": 32 if kda else 16, "IS_KDA": kda, "BETA_BF16": True}
