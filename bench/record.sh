@@ -10,8 +10,8 @@ set -euo pipefail
 out=${1:-bench/results}
 shift || true
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-leapquant bench --record "$out" --backends reference triton tilelang --gate kda gdn --ref-max-batch 16 \
+python -m leapquant bench --record "$out" --backends reference triton tilelang --gate kda gdn --ref-max-batch 16 \
     --commit "$commit" --quiet "$@"
-leapquant bench --op step --record "$out" --backends triton --gate kda gdn --commit "$commit" --quiet "$@"
-leapquant bench --op decode --record "$out" --backends auto triton --gate kda gdn --commit "$commit" --quiet "$@"
+python -m leapquant bench --op step --record "$out" --backends triton --gate kda gdn --commit "$commit" --quiet "$@"
+python -m leapquant bench --op decode --record "$out" --backends auto triton --gate kda gdn --commit "$commit" --quiet "$@"
 python -m leapquant.e2e --backend auto --out "$out/E2E.md" --commit "$commit"

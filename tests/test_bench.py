@@ -326,7 +326,7 @@ def test_step_and_decode_ops_on_the_cpu(tmp_path):
         rec = tmp_path / op
         cmd = ["--op", op, "--backends", "reference", "--batch", "1", "--heads", "4", "--gate", "kda", "gdn",
                "--repeats", "2", "--max-seconds", "1", "--check-rows", "2", "--record", str(rec), "--quiet",
-               "--commit", "abc1234"]
+               "--commit", "abc1234", "--device", "cpu", "--no-fla"]
         assert bench.main(cmd) == 0
         md = (rec / f"RECORD-{op}.md").read_text()
         assert f"LeapQuant {op} benchmark" in md and "step_program_bytes" in md
