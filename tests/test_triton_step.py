@@ -325,29 +325,36 @@ def test_gluon_step_kernel_compiles(capability, gate):
     assert spills == 0, f"sm_{capability}: {spills} local-memory accesses"
 
 
-def test_gluon_step_code_dequantisation():
-    """The Gluon step kernel's four-code dequantisation (gluon_step_kernel._CODE_QUAD_ASM) emulated from its asm text
-    for every code in every byte position: x - _CODE_SHIFT is c 2^-15 exactly (code 0 gives exactly 0)."""
+def test_gluon_step_code_conversion():
+    """The Gluon step kernel's four-codes-to-fp16 conversion (gluon_step_kernel._CODE_HALF_ASM) emulated from its asm
+    text for every code in every byte position: element i of the output is code i exactly as an fp16 value (code 0
+    gives exactly 0), and no neighbouring byte leaks into it."""
     import ast
     import re
     import struct
     from test_triton import _gluon_child
-    run = _gluon_child("from leapquant.triton import gluon_step_kernel as m, gluon_kernel as f; "
-                       "print(repr((m._CODE_QUAD_ASM.value, f._CODE_SHIFT.value)))")
-    asm, shift = ast.literal_eval(run.stdout.strip().splitlines()[-1])
-    flip = int(re.search(r"xor\.b32 t, \$4, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
-    one = int(re.search(r"mov\.b32 one, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
-    sels = [(int(o), int(v, 16)) for o, v in re.findall(r"prmt\.b32 \$([0-3]), t, one, (0x[0-9A-Fa-f]+);", asm)]
-    assert sorted(o for o, _ in sels) == [0, 1, 2, 3], asm
+    run = _gluon_child("from leapquant.triton import gluon_step_kernel as m; print(repr(m._CODE_HALF_ASM.value))")
+    asm = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    flip = int(re.search(r"xor\.b32 t, \$2, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    magic = int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    bias = int(re.search(r"mov\.b32 k, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    sels = dict((int(o), int(v, 16)) for o, v in re.findall(r"prmt\.b32 \$([01]), t, m, (0x[0-9A-Fa-f]+);", asm))
+    assert sorted(sels) == [0, 1] and re.findall(r"sub\.f16x2 \$([01]), \$\1, k;", asm) == ["0", "1"], asm
 
-    def prmt(a: int, b: int, sel: int) -> int:
+    def prmt(a: int, b: int, sel: int) -> int:     # PTX prmt.b32 (default mode): byte i of {b, a} per selector nibble
         pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
         return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    def halves(word: int) -> list[float]:
+        return [struct.unpack("<e", struct.pack("<H", (word >> s) & 0xFFFF))[0] for s in (0, 16)]
+    sub = halves(bias)
     for c in range(-128, 128):
         for pos in range(4):
             word = ((c & 0xFF) << (8 * pos)) | (0x11 << (8 * ((pos + 1) % 4)))   # a neighbour byte that must not leak
-            t = word ^ flip
-            sel = dict(sels)[pos]
-            x = struct.unpack("<f", struct.pack("<I", prmt(t, one, sel)))[0]
-            d = struct.unpack("<f", struct.pack("<f", x - shift))[0]
-            assert d == c * 2.0 ** -15, (c, pos, x, d)
+            out = []
+            for reg in (0, 1):
+                x = halves(prmt(word ^ flip, magic, sels[reg]))
+                out += [struct.unpack("<e", struct.pack("<e", v - s))[0] for v, s in zip(x, sub)]   # exact: integers
+            expect = [0.0] * 4
+            expect[pos], expect[(pos + 1) % 4] = c, 0x11
+            assert out == expect, (c, pos, out)

@@ -1,10 +1,15 @@
-"""Times the Triton step kernel's launch configurations (warps, state rows per loop step BV) on one GPU, L2-cold,
-CUDA kernel time (leapquant.bench.time_calls_kernel), KDA and GDN, window at fill 1 and 15, every program stepping.
-Prints one markdown table. Dev tool: python bench/dev/step_variants.py --batch 256."""
+"""Times the Triton step kernels' variants on one GPU, L2-cold, CUDA kernel time (leapquant.bench.time_calls_kernel),
+KDA and GDN, window at fill 1 and 15, every program stepping: the Gluon kernel (also under register caps, --maxnreg),
+another version of it from a file (--gluon-file, e.g. `git show <commit>:leapquant/triton/gluon_step_kernel.py`: an
+A/B on one machine) and the portable kernel. Prints one markdown table.
+Dev tool: python bench/dev/step_variants.py --batch 256 [--maxnreg 80 72] [--gluon-file old.py] [--no-tl]."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import re
 import sys
+import tempfile
 
 import torch
 
@@ -26,17 +31,41 @@ def launch(kernel, warps, bv, pool, idx, tk, hk):
         **bv)
 
 
+def load_gluon_file(path: str):
+    """The Gluon step kernel module from a file of the package's form (its relative imports made absolute)."""
+    src = open(path).read()
+    src = re.sub(r"^from \.\.(\w+) import", r"from leapquant.\1 import", src, flags=re.M)
+    src = re.sub(r"^from \.(\w+) import", r"from leapquant.triton.\1 import", src, flags=re.M)
+    # Gluon compiles from the source file, so the module must live in a real file
+    tmp = tempfile.NamedTemporaryFile("w", suffix="_gluon_step_variant.py", delete=False)
+    tmp.write(src)
+    tmp.close()
+    spec = importlib.util.spec_from_file_location("gluon_step_variant", tmp.name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     global A_LOG, DT
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", nargs="+", type=int, default=[64, 256, 512])
     ap.add_argument("--repeats", type=int, default=64)
     ap.add_argument("--bandwidth", type=float, default=4270.0, help="GB/s for the bound column")
+    ap.add_argument("--maxnreg", nargs="*", type=int, default=[], help="also time the Gluon kernel under these caps")
+    ap.add_argument("--gluon-file", help="also time the Gluon step kernel of this file (another version)")
+    ap.add_argument("--no-tl", action="store_true", help="leave the portable kernel out")
     args = ap.parse_args()
     dev = torch.device("cuda")
     from leapquant.triton import gluon_step_kernel
-    variants = ([("gluon", gluon_step_kernel.step_kernel, gluon_step_kernel.WARPS, {})]
-                + [("tl", step_kernel.step_kernel, w, {"BV": bv}) for w, bv in ((4, 32),)])
+    g = gluon_step_kernel
+    variants = ([("gluon", g.step_kernel, g.WARPS, {})]
+                + [(f"gluon maxnreg {n}", g.step_kernel, g.WARPS, {"maxnreg": n}) for n in args.maxnreg])
+    if args.gluon_file:
+        other = load_gluon_file(args.gluon_file)
+        variants.append((f"gluon {args.gluon_file}", other.step_kernel, other.WARPS, {}))
+    if not args.no_tl:
+        variants += [("tl", step_kernel.step_kernel, w, {"BV": bv}) for w, bv in ((4, 32),)]
     bw = float(args.bandwidth) * 1e9
     print("| gate | batch | fill | kernel | warps | config | median us | x bound |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

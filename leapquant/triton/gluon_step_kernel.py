@@ -11,24 +11,25 @@ without being formed. What differs is that every tensor has a layout chosen so t
     (2) window      the keys [L, K] a column per thread (:data:`WCOL`): the decay products D_j are a scan inside the
                     thread; keys kn and keys qn reduce over the channels once
     (3) rank part   u_old [R, K] a column per thread alike: u_old (col_gate kn), u_old (col_gate qn)
-    (4) codes       blocks of 16 rows from shared memory, 16 codes of a row per thread (:data:`CODES`), dequantised
-                    exactly (one byte permute per code, as the flush's Gluon kernel) and reduced against xk and xq
-                    (16 products in the thread, then 3 shuffles); the row sums go to shared memory
+    (4) codes       on the tensor cores: codes [V, K] (exact as fp16, two byte permutes and two half-precision
+                    subtractions per four codes) times X [K, 8] = (xk, xq) each split into fp16 hi + lo parts under a
+                    power-of-two scale (:func:`_fp16_split`), fp32 accumulators [V, 8] (:data:`ACC`), 32 channels
+                    per step; the row sums go to shared memory
     (5) rows        a state row per thread (:data:`VROW`): the window's ubuf^T (keys kn) and the rank part's
                     q_old^T (u_old kn) inside the thread, the codes' sums read back, then u_new, o and the stores
 
-Every value is fp32 (no TF32); the results equal the portable kernel's up to the order of the sums.
+Every value is fp32 but phase (4)'s operands: fp16 x fp16 products are exact in the fp32 accumulators, and the hi + lo
+split keeps 22 bits of each xk and xq, so the results equal the portable kernel's to about fp32 rounding.
 """
 # (no ``from __future__ import annotations``: Gluon reads the annotations of its constexpr parameters)
 import math
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
 from ..numerics import K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
-from .gluon_kernel import _CODE_SHIFT
 
 assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are written for a 128 x 128 state"
 
@@ -51,16 +52,15 @@ _ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))
 _NORM_EPS = gl.constexpr(NORM_EPS)
 _SP_THRESHOLD = gl.constexpr(SOFTPLUS_THRESHOLD)
 _INV_SQRT_K = gl.constexpr(K ** -0.5)
-#: xk and xq carry 2^15: the dequantised codes are c 2^-15 (exact), so the products are c xk exactly as rounded
-_CODE_UNIT = gl.constexpr(32768.0)
-_BLOCK = gl.constexpr(16)                   #: state rows per step of phase (4): 4 per warp
-#: the flush kernel's exact dequantisation (gluon_kernel._CODE_BYTES_ASM) four codes per call: one sign flip of the
-#: four bytes, then one byte permute per code puts u = c + 128 into bits 8..15 of the float 1.0: x = 1 + u 2^-15, and
-#: x - _CODE_SHIFT = c 2^-15 exactly (two codes per call spent a permute more per code to split the word)
-_CODE_QUAD_ASM = gl.constexpr(
-    "{ .reg .b32 t, one; xor.b32 t, $4, 0x80808080; mov.b32 one, 0x3F800000; "
-    "prmt.b32 $0, t, one, 0x7604; prmt.b32 $1, t, one, 0x7614; prmt.b32 $2, t, one, 0x7624; "
-    "prmt.b32 $3, t, one, 0x7634; }")
+_KSTEP = gl.constexpr(32)                   #: channels per step of phase (4): two k = 16 mma steps
+#: four codes to four exact fp16 values per call: one sign flip of the four bytes makes u = c + 128, a byte permute
+#: per pair puts u under the exponent byte 0x64 (the half 1024 + u), and one f16x2 subtraction of 1152 leaves c
+_CODE_HALF_ASM = gl.constexpr(
+    "{ .reg .b32 t, m, k; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64646464; mov.b32 k, 0x64806480; "
+    "prmt.b32 $0, t, m, 0x7170; prmt.b32 $1, t, m, 0x7372; sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; }")
+#: _fp16_split scales the largest magnitude into [2^14, 2^15): hi + lo stay finite in fp16 and the parts that matter
+#: stay normal; the scale is 2^(_SPLIT_EXP - that magnitude's biased exponent)
+_SPLIT_EXP = gl.constexpr(127 + 14)
 
 # ---- layouts (4 warps) -------------------------------------------------------------------------------------------
 #: [L, K] window tiles: a column (all L entries of one channel) per thread, channel = 32 warp + lane
@@ -79,8 +79,18 @@ CODES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
 #: xk, xq as every thread of a block needs them: its 16 channels
 CODE_COLS = gl.constexpr(gl.SliceLayout(0, CODES))
 CODE_ROWS = gl.constexpr(gl.SliceLayout(1, CODES))
+#: phase (4): [V, 8] fp32 mma accumulators, a warp per 32 state rows; the codes and X as its operands, each thread
+#: holding 8 consecutive channels (k_width 8: one 8-byte load of codes per row and step, the same channel order in both
+#: operands, so the sum over the channels is unchanged)
+ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
+A_CODES = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=8))
+B_X = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=8))
+#: X^T [8, K] as it is built: a channel per thread (the KVEC distribution), its 8 columns in the thread
+XT = gl.constexpr(gl.BlockedLayout([8, 1], [1, 32], [1, WARPS], [0, 1]))
 PLAIN1_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 PLAIN2_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+#: the codes: 16-byte chunks XOR-swizzled by row, so that the 8 rows of an operand load fall in distinct banks
+CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
 
 
 @gluon.jit
@@ -98,7 +108,23 @@ def _softplus(x):
 
 
 @gluon.jit
-def _step_program(codes_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr,
+def _fp16_split(x):
+    """(hi, lo, unit): x [K] fp32 = (hi + lo) unit to about 2^-22 of max |x|, hi and lo fp16, unit a power of two with
+    max |x| / unit in [2^14, 2^15) (an all-zero x gives zeros). The scale 1 / unit = 2^shift, shift in [-113, 141], is
+    applied as two exact factors (fp32 holds neither 2^141 nor, as a normal, its inverse: unit may be subnormal)."""
+    top = gl.max(gl.abs(x), 0).to(gl.int32, bitcast=True) >> 23                # max |x|'s biased exponent
+    shift = _SPLIT_EXP - top
+    first = gl.minimum(shift, 127)
+    xs = x * ((first + 127) << 23).to(gl.float32, bitcast=True) * ((shift - first + 127) << 23).to(gl.float32,
+                                                                                                   bitcast=True)
+    hi = xs.to(gl.float16)
+    lo = (xs - hi.to(gl.float32)).to(gl.float16)
+    unit = gl.where(shift <= 126, (127 - shift) << 23, 1 << (149 - shift)).to(gl.float32, bitcast=True)
+    return hi, lo, unit
+
+
+@gluon.jit
+def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr,
                   qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, row, head, slot, SS, qkv_stride, a_stride,
                   b_stride, H: gl.constexpr, HK: gl.constexpr, IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr):
     prog = slot * H + head
@@ -131,7 +157,9 @@ def _step_program(codes_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, u
     gp = gate_ptr + prog * _K
 
     # ---- (2) the window's effective keys [L, K], a column per thread; non-live entries loaded as 0 ----
-    jl = gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
+    # tile row r holds entry j = L - 1 - r, so that D_j's product over the later entries is a forward scan (Triton
+    # lowers a reverse scan by reversing the lanes: 5 shuffles per value, 150 of the kernel's 221 shuffles)
+    jl = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
     live = jl < h
     w_old = gl.load(wp + jl, mask=live, other=0.0)
     kwin = gl.load(kb + jl[:, None] * _K + kk[None, :], mask=live[:, None], other=0.0).to(gl.float32)
@@ -142,9 +170,9 @@ def _step_program(codes_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, u
         pcum_new = gl.load(gp + kk) + g
         col_gate = gl.exp(pcum_new)
         row_gate = 1.0
-        # D_j = en * prod_{j<i<h} gbuf_i: the reverse scan runs down the thread's own column
+        # D_j = en * prod_{j<i<h} gbuf_i: a scan down the thread's own column, over the rows of the later entries
         g_next = gl.load(gb + (jl[:, None] + 1) * _K + kk[None, :], mask=(jl[:, None] + 1) < h, other=1.0)
-        decay = gl.associative_scan(g_next.to(gl.float32), 0, _mul, reverse=True)
+        decay = gl.associative_scan(g_next.to(gl.float32), 0, _mul)
         keys = kwin * w_old[:, None] * (decay * en[None, :])
         w_eff = w_old
     else:
@@ -170,25 +198,33 @@ def _step_program(codes_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, u
     gate_c = gl.convert_layout(col_gate, CODE_COLS)
     uk = gl.sum(u_old * (gate_c * kn_c)[None, :], 1) * row_gate       # [R]
     uq = gl.sum(u_old * (gate_c * qn_c)[None, :], 1) * row_gate
-    col = gl.load(raw_f32 + region + _SK_WORD + cc) / _QMAX * gate_c
-    xk = col * kn_c * _CODE_UNIT
-    xq = col * qn_c * _CODE_UNIT
+    col = gl.load(raw_f32 + region + _SK_WORD + kk) / _QMAX * col_gate
+    xk_hi, xk_lo, unit_k = _fp16_split(col * kn)
+    xq_hi, xq_lo, unit_q = _fp16_split(col * qn)
     knq = gl.sum(kn * qn, 0)
 
-    # ---- (4) the codes: 16 rows a step, reduced against xk and xq; the row sums to shared memory ----
+    # ---- (4) the codes on the tensor cores: [V, K] codes x X [K, 8], X's columns (xk hi, lo, xq hi, lo, 0 ...) ----
+    n8 = gl.arange(0, 8, layout=gl.SliceLayout(1, XT))[:, None]
+    xT = gl.where(n8 == 0, gl.convert_layout(xk_hi, gl.SliceLayout(0, XT))[None, :],
+                  gl.where(n8 == 1, gl.convert_layout(xk_lo, gl.SliceLayout(0, XT))[None, :],
+                           gl.where(n8 == 2, gl.convert_layout(xq_hi, gl.SliceLayout(0, XT))[None, :],
+                                    gl.where(n8 == 3, gl.convert_layout(xq_lo, gl.SliceLayout(0, XT))[None, :],
+                                             0.0))))
+    x_s.store(xT.to(gl.float16))
     async_copy.wait_group(0)
     gl.thread_barrier()
-    for b in gl.static_range(_V // _BLOCK):
-        x = gl.inline_asm_elementwise(_CODE_QUAD_ASM, "=r,=r,=r,=r,r",
-                                      [codes_s.slice(b * _BLOCK, _BLOCK).load(CODES)], dtype=gl.float32,
-                                      is_pure=True, pack=4)
-        d = x - _CODE_SHIFT                                           # c 2^-15, exact
-        sums_k.slice(b * _BLOCK, _BLOCK).store(gl.sum(d * xk[None, :], 1))
-        sums_q.slice(b * _BLOCK, _BLOCK).store(gl.sum(d * xq[None, :], 1))
+    acc = gl.zeros([_V, 8], gl.float32, layout=ACC)
+    for c in gl.static_range(_K // _KSTEP):
+        a = gl.inline_asm_elementwise(_CODE_HALF_ASM, "=r,=r,r", [codes_s.slice(c * _KSTEP, _KSTEP, 1).load(A_CODES)],
+                                      dtype=gl.float16, is_pure=True, pack=4)
+        acc = mma_v2(a, x_s.slice(c * _KSTEP, _KSTEP, 1).permute([1, 0]).load(B_X), acc)
+    n_acc = gl.arange(0, 8, layout=gl.SliceLayout(0, ACC))[None, :]
+    sums_k.store(gl.sum(gl.where(n_acc < 2, acc, 0.0), 1) * unit_k)
+    sums_q.store(gl.sum(gl.where((n_acc >= 2) & (n_acc < 4), acc, 0.0), 1) * unit_q)
 
     # ---- (5) a state row per thread: the window's and the rank part's terms, then the delta rule ----
     vr = gl.arange(0, _V, layout=VVEC)
-    jv = gl.arange(0, _L, layout=gl.SliceLayout(0, VROW))
+    jv = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(0, VROW))   # the entries in the window tiles' row order
     ubT = gl.load(ub + jv[None, :] * _V + vr[:, None], mask=(jv < h)[None, :], other=0.0).to(gl.float32)
     tk_r = gl.convert_layout(tk, gl.SliceLayout(0, VROW))
     tq_r = gl.convert_layout(tq, gl.SliceLayout(0, VROW))
@@ -233,11 +269,12 @@ def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     row = (pid // H).to(gl.int64)
     head = (pid % H).to(gl.int64)
     slot = gl.load(idx_ptr + row).to(gl.int64)
-    codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], PLAIN2_SMEM)
+    codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM)
+    x_s = gl.allocate_shared_memory(gl.float16, [8, _K], PLAIN2_SMEM)
     sums_k = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     sums_q = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     if (slot > 0) & (slot < num_slots):
-        _step_program(codes_s, sums_k, sums_q, raw_f32, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr, ubuf_ptr,
+        _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr, ubuf_ptr,
                       w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, row,
                       head, slot, SS, qkv_stride, a_stride, b_stride, H, HK, IS_KDA, BETA_BF16)
     else:                                   # no sequence on this row: a zero output, nothing else written
