@@ -65,20 +65,18 @@ _SPLIT_EXP = gl.constexpr(127 + 14)
 # ---- layouts (4 warps) -------------------------------------------------------------------------------------------
 #: [L, K] window tiles: a column (all L entries of one channel) per thread, channel = 32 warp + lane
 WCOL = gl.constexpr(gl.BlockedLayout([L, 1], [1, 32], [1, WARPS], [0, 1]))
-#: [R, K] rank rows u_old, a column per thread alike
-UCOL = gl.constexpr(gl.BlockedLayout([R, 1], [1, 32], [1, WARPS], [0, 1]))
-#: a K-vector, one channel per thread (as WCOL and UCOL slice it)
+#: a K-vector, one channel per thread (as WCOL slices it)
 KVEC = gl.constexpr(gl.SliceLayout(0, WCOL))
 #: [V, L] ubuf^T: a state row (its L window values) per thread, row = 32 warp + lane; [V, R] q_old^T alike
 VROW = gl.constexpr(gl.BlockedLayout([1, L], [32, 1], [WARPS, 1], [1, 0]))
 QROW = gl.constexpr(gl.BlockedLayout([1, R], [32, 1], [WARPS, 1], [1, 0]))
 #: a V-vector, one state row per thread
 VVEC = gl.constexpr(gl.SliceLayout(1, VROW))
-#: [16, K] int8 code blocks: 16 codes of a row per thread, 8 threads a row, 4 rows a warp
+#: [16, K] tiles, 16 channels of a row per thread, 8 threads a row, 4 rows a warp: the codes' copy to shared memory
+#: (16-byte chunks), the window keys and u_old for their sums over the channels (16 products in the thread, 3 shuffles)
 CODES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
-#: xk, xq as every thread of a block needs them: its 16 channels
+#: a K-vector as every thread of a CODES tile needs it: its 16 channels
 CODE_COLS = gl.constexpr(gl.SliceLayout(0, CODES))
-CODE_ROWS = gl.constexpr(gl.SliceLayout(1, CODES))
 #: phase (4): [V, 8] fp32 mma accumulators, a warp per 32 state rows; the codes and X as its operands, each thread
 #: holding 8 consecutive channels (k_width 8: one 8-byte load of codes per row and step, the same channel order in both
 #: operands, so the sum over the channels is unchanged)
