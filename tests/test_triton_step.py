@@ -325,36 +325,64 @@ def test_gluon_step_kernel_compiles(capability, gate):
     assert spills == 0, f"sm_{capability}: {spills} local-memory accesses"
 
 
+def _run_ptx(asm: str, inputs: dict[str, int], outputs: int) -> list[int]:
+    """Executes an inline-asm text statement by statement on 32-bit values (``inputs``: its $n operands): the
+    instructions the step kernel's conversion uses, as PTX defines them (prmt.b32 default mode with the sign-replicate
+    bit; sub.f16x2 rounded to nearest). Any other instruction fails the test, so a change of the asm must be emulated
+    here too. Returns $0 .. $(outputs - 1)."""
+    import struct
+
+    def half(v: int) -> float:
+        return struct.unpack("<e", struct.pack("<H", v & 0xFFFF))[0]
+
+    def to_half(x: float) -> int:
+        return struct.unpack("<H", struct.pack("<e", x))[0]
+
+    regs = dict(inputs)
+    value = lambda op: regs[op] if op in regs else int(op, 0) & 0xFFFFFFFF  # noqa: E731
+    for stmt in asm.strip().strip("{}").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        dst, *src = [x.strip() for x in rest.split(",")]
+        if op == "xor.b32":
+            regs[dst] = value(src[0]) ^ value(src[1])
+        elif op == "mov.b32":
+            regs[dst] = value(src[0])
+        elif op == "prmt.b32":
+            pool = [(value(src[0]) >> (8 * i)) & 0xFF for i in range(4)] + [(value(src[1]) >> (8 * i)) & 0xFF
+                                                                            for i in range(4)]
+            sel, out = value(src[2]), 0
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 0xF
+                byte = pool[nib & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
+            regs[dst] = out
+        elif op == "sub.f16x2":
+            x, y = value(src[0]), value(src[1])
+            regs[dst] = sum(to_half(half(x >> s) - half(y >> s)) << s for s in (0, 16))
+        else:
+            raise AssertionError(f"instruction not emulated: {stmt}")
+    return [regs[f"${i}"] for i in range(outputs)]
+
+
 def test_gluon_step_code_conversion():
-    """The Gluon step kernel's four-codes-to-fp16 conversion (gluon_step_kernel._CODE_HALF_ASM) emulated from its asm
-    text for every code in every byte position: element i of the output is code i exactly as an fp16 value (code 0
-    gives exactly 0), and no neighbouring byte leaks into it."""
+    """The Gluon step kernel's four-codes-to-fp16 conversion (gluon_step_kernel._CODE_HALF_ASM) executed from its asm
+    text, statement by statement, for every code in every byte position: output element i (the halves of $0, then of
+    $1, low first) is code i exactly as an fp16 value (code 0 gives +0), and a neighbouring byte does not leak."""
     import ast
-    import re
     import struct
     from test_triton import _gluon_child
     run = _gluon_child("from leapquant.triton import gluon_step_kernel as m; print(repr(m._CODE_HALF_ASM.value))")
     asm = ast.literal_eval(run.stdout.strip().splitlines()[-1])
-    flip = int(re.search(r"xor\.b32 t, \$2, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
-    magic = int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
-    bias = int(re.search(r"mov\.b32 k, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
-    sels = dict((int(o), int(v, 16)) for o, v in re.findall(r"prmt\.b32 \$([01]), t, m, (0x[0-9A-Fa-f]+);", asm))
-    assert sorted(sels) == [0, 1] and re.findall(r"sub\.f16x2 \$([01]), \$\1, k;", asm) == ["0", "1"], asm
-
-    def prmt(a: int, b: int, sel: int) -> int:     # PTX prmt.b32 (default mode): byte i of {b, a} per selector nibble
-        pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-        return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
-
-    def halves(word: int) -> list[float]:
-        return [struct.unpack("<e", struct.pack("<H", (word >> s) & 0xFFFF))[0] for s in (0, 16)]
-    sub = halves(bias)
     for c in range(-128, 128):
         for pos in range(4):
             word = ((c & 0xFF) << (8 * pos)) | (0x11 << (8 * ((pos + 1) % 4)))   # a neighbour byte that must not leak
-            out = []
-            for reg in (0, 1):
-                x = halves(prmt(word ^ flip, magic, sels[reg]))
-                out += [struct.unpack("<e", struct.pack("<e", v - s))[0] for v, s in zip(x, sub)]   # exact: integers
+            regs = _run_ptx(asm, {"$2": word}, 2)
+            out = [struct.unpack("<e", struct.pack("<H", (r >> s) & 0xFFFF))[0] for r in regs for s in (0, 16)]
             expect = [0.0] * 4
             expect[pos], expect[(pos + 1) % 4] = c, 0x11
             assert out == expect, (c, pos, out)
+            if c == 0:
+                assert (regs[pos // 2] >> (16 * (pos % 2))) & 0xFFFF == 0, "code 0 must give +0"
