@@ -21,7 +21,7 @@ without being formed. What differs is that every tensor has a layout chosen so t
 Every value is fp32 but phase (4)'s operands: fp16 x fp16 products are exact, the tensor cores add them in fp32 (with
 truncation, a few ulp per mma), and the hi + lo split keeps 22 bits of each xk and xq, so the results equal the
 portable kernel's to about fp32 rounding (a CPU emulation of the phase with round-to-nearest sums: 1.8 ulp of
-sum |c x| at worst, against 3.9 for the fp32 FMA chains it replaced).
+sum |c x| at worst, against 3.9 for fp32 FMA chains over dequantised codes).
 """
 # (no ``from __future__ import annotations``: Gluon reads the annotations of its constexpr parameters)
 import math
@@ -159,7 +159,7 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
 
     # ---- (2) the window's effective keys [L, K], a column per thread; non-live entries loaded as 0 ----
     # tile row r holds entry j = L - 1 - r, so that D_j's product over the later entries is a forward scan (Triton
-    # lowers a reverse scan by reversing the lanes: 5 shuffles per value, 150 of the kernel's 221 shuffles)
+    # lowers a reverse scan by reversing the lanes: 5 shuffles per value, 140 shuffles in all)
     jl = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
     live = jl < h
     w_old = gl.load(wp + jl, mask=live, other=0.0)
