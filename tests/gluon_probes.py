@@ -22,6 +22,7 @@ from leapquant.triton.gluon_kernel import (COLSUM1_XCHG_SMEM, COLSUM4_XCHG_SMEM,
                                            ROWSUM_PARTS, ROWSUM_PARTS4, STATE, STATE_COLS, STATE_COLS4_XCHG_SMEM,
                                            STATE_ROWS, STATE_ROWS4_XCHG_SMEM, SUMS4_XCHG_SMEM, WARP_VEC4, WARPS,
                                            WINDOW, WORDS, _K, _L, _V, _own_columns, _own_rows, stacked4_layout)
+from leapquant.triton.gluon_step_kernel import _beta
 from leapquant.triton.launch import CHUNK
 
 
@@ -117,3 +118,11 @@ def exchange_bank_conflicts(capability: int = 90) -> dict:
             name, value = line.split("leapquant-bank", 1)[1].split()[:2]
             found[name] = int(value)
     return found
+
+
+@gluon.jit
+def beta_probe(b_ptr, out_ptr, BETA_BF16: gl.constexpr):
+    """out[i] = the Gluon step kernel's beta of the bf16 b[i] (gluon_step_kernel._beta), one value per program as
+    the kernel computes it: tests/test_triton_step.py runs it over every finite bf16 value on a GPU."""
+    i = gl.program_id(0)
+    gl.store(out_ptr + i, _beta(gl.load(b_ptr + i), BETA_BF16))

@@ -291,6 +291,35 @@ def test_gpu_graph_replay_matches_eager_without_sync(gate, op, backend):
     assert bool((pool.hcnt[2] == 2).all())
 
 
+@needs_cuda
+@pytest.mark.parametrize("beta_bf16", [True, False])
+def test_gluon_beta_on_every_bf16_value(beta_bf16):
+    """The Gluon step kernel's beta (fp32 where that is exact enough, fp64 near bf16 rounding midpoints and for
+    |b| > 8) over all 65,280 finite bf16 values of b against sigmoid in fp64: rounded to bf16 it is the exact value's
+    rounding for every b; unrounded (vLLM's fp32 beta) it is within 2^-19 of it (of 2^-149 below fp32's
+    normal range)."""
+    from leapquant.triton import launch
+    if launch.mma_reasons(DEVICE):
+        pytest.skip("; ".join(launch.mma_reasons(DEVICE)))
+    from gluon_probes import beta_probe
+    b = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    b = b[torch.isfinite(b.float())]
+    out = torch.full(b.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    beta_probe[(b.numel(),)](b.to(DEVICE), out, BETA_BF16=beta_bf16, num_warps=1)
+    got = out.cpu().double()
+    exact = torch.sigmoid(b.double())
+    if beta_bf16:
+        want = exact.to(torch.bfloat16).double()
+        bad = got != want
+        assert not bool(bad.any()), (f"{int(bad.sum())} of {b.numel()} values round differently, e.g. b = "
+                                     f"{b[bad][:4].tolist()}: {got[bad][:4].tolist()} vs {want[bad][:4].tolist()}")
+    else:
+        # within 2^-19 of the exact value, or of fp32's subnormal spacing where the value is below fp32's normals
+        excess = (got - exact).abs() / torch.maximum(exact * 2.0 ** -19, torch.full_like(exact, 2.0 ** -149))
+        worst = int(excess.argmax())
+        assert float(excess[worst]) <= 1, f"b = {float(b[worst])}: {float(got[worst])!r} vs {float(exact[worst])!r}"
+
+
 # ---- the Gluon step kernel: builds for every target on the CPU (triton 3.6; CI runs these with it) ----------------
 _GLUON_COMPILE = r"""
 import sys
@@ -304,25 +333,33 @@ kda = gate == "kda"
 names = list(sig)
 assert names == list(m.step_kernel.arg_names), m.step_kernel.arg_names
 const = {"H": 32, "HK": 32 if kda else 16, "IS_KDA": kda, "BETA_BF16": True}
-aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") and n != "idx_ptr"]
+aligned = [i for i, n in enumerate(names) if (sig[n].startswith("*") and n != "idx_ptr") or n == "qkv_stride"]
 src = GluonASTSource(fn=m.step_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                      attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=m.WARPS, num_stages=1))
+k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                   options=dict(num_warps=m.WARPS, num_stages=1, maxnreg=m.MAX_REGISTERS[gate]))
 sass = k.asm["sass"]
 print(len(k.asm["cubin"]), sass.count("LDGSTS"), sass.count("LDL") + sass.count("STL"))
 """
+
+
+#: local-memory instructions the register cap (gluon_step_kernel.MAX_REGISTERS) may cost: KDA measured 24 on sm_80
+#: and sm_90 (48 bytes spilled; the cap's timing is in the kernel's comment), GDN none
+STEP_SPILL_BUDGET = {"kda": 24, "gdn": 0}
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 @pytest.mark.parametrize("capability", [80, 90, 100])
 def test_gluon_step_kernel_compiles(capability, gate):
     """The Gluon step kernel lowered and assembled for sm_80 / sm_90 / sm_100 without a GPU (a child process, as the
-    flush's Gluon kernel in tests/test_triton.py): its codes arrive by cp.async (LDGSTS) and nothing spills."""
+    flush's Gluon kernel in tests/test_triton.py), as the launch builds it (its register cap, a qkv row stride of a
+    multiple of 16): its codes arrive by cp.async (LDGSTS), and its local-memory traffic stays within
+    :data:`STEP_SPILL_BUDGET`."""
     from test_triton import _gluon_child
     run = _gluon_child(_GLUON_COMPILE, str(capability), gate)
     cubin, ldgsts, spills = map(int, run.stdout.split())
     assert cubin > 0 and ldgsts > 0, f"sm_{capability}: no cp.async copies"
-    assert spills == 0, f"sm_{capability}: {spills} local-memory accesses"
+    assert spills <= STEP_SPILL_BUDGET[gate], f"sm_{capability}: {spills} local-memory accesses"
 
 
 def _run_ptx(asm: str, inputs: dict[str, int], outputs: int) -> list[int]:

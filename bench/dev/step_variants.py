@@ -2,7 +2,7 @@
 KDA and GDN, window at fill 1 and 15, every program stepping: the Gluon kernel (also under register caps, --maxnreg),
 another version of it from a file (--gluon-file, e.g. `git show <commit>:leapquant/triton/gluon_step_kernel.py`: an
 A/B on one machine) and the portable kernel. Prints one markdown table.
-Dev tool: python bench/dev/step_variants.py --batch 256 [--maxnreg 80 72] [--gluon-file old.py] [--no-tl]."""
+Dev tool: python bench/dev/step_variants.py --batch 256 [--maxnreg 80 72] [--gluon-file old.py ...] [--no-tl]."""
 from __future__ import annotations
 
 import argparse
@@ -52,18 +52,19 @@ def main() -> None:
     ap.add_argument("--batch", nargs="+", type=int, default=[64, 256, 512])
     ap.add_argument("--repeats", type=int, default=64)
     ap.add_argument("--bandwidth", type=float, default=4270.0, help="GB/s for the bound column")
-    ap.add_argument("--maxnreg", nargs="*", type=int, default=[], help="also time the Gluon kernel under these caps")
-    ap.add_argument("--gluon-file", help="also time the Gluon step kernel of this file (another version)")
+    ap.add_argument("--maxnreg", nargs="*", type=int, default=[],
+                    help="also time every Gluon kernel under these register caps")
+    ap.add_argument("--gluon-file", nargs="*", default=[],
+                    help="also time the Gluon step kernels of these files (other versions)")
     ap.add_argument("--no-tl", action="store_true", help="leave the portable kernel out")
+    ap.add_argument("--fill", nargs="+", type=int, default=[1, 15], help="window fill counts to time")
     args = ap.parse_args()
     dev = torch.device("cuda")
     from leapquant.triton import gluon_step_kernel
-    g = gluon_step_kernel
-    variants = ([("gluon", g.step_kernel, g.WARPS, {})]
-                + [(f"gluon maxnreg {n}", g.step_kernel, g.WARPS, {"maxnreg": n}) for n in args.maxnreg])
-    if args.gluon_file:
-        other = load_gluon_file(args.gluon_file)
-        variants.append((f"gluon {args.gluon_file}", other.step_kernel, other.WARPS, {}))
+    modules = [("gluon", gluon_step_kernel)] + [(f"gluon {f}", load_gluon_file(f)) for f in args.gluon_file]
+    # each module first as it launches (its own register cap), then under the caps asked for (0: none)
+    variants = [(name, m.step_kernel, m.WARPS, cfg) for name, m in modules
+                for cfg in [{"own": True}] + [{"maxnreg": n or None} for n in args.maxnreg]]
     if not args.no_tl:
         variants += [("tl", step_kernel.step_kernel, w, {"BV": bv}) for w, bv in ((4, 32),)]
     bw = float(args.bandwidth) * 1e9
@@ -82,12 +83,16 @@ def main() -> None:
             for s in sets:
                 case.load_into(pool, s)
             bound = batch * 32 * step_program_bytes(gate) / bw * 1e6
-            for fill in (1, 15):
+            for fill in args.fill:
                 fills = torch.full((batch, 32), fill, dtype=torch.int32, device=dev)
 
                 def prepare(s):
                     pool.hcnt[sets[s]] = fills
-                for name, kern, warps, bv in variants:
+                for name, kern, warps, cfg in variants:
+                    if "own" in cfg:
+                        bv = {"maxnreg": getattr(dict(modules)[name], "MAX_REGISTERS", {}).get(gate)}
+                    else:
+                        bv = cfg
                     call = lambda s: launch(kern, warps, bv, pool, idx[s], (tk.qkv[s], tk.a[s], tk.b[s], tk.out[s]), hk)  # noqa: E731
                     try:
                         samples, _ = time_calls_kernel(call, 8, args.repeats, dev, prepare=prepare)

@@ -2,23 +2,26 @@
 
 Same contract, grid and arguments as the portable step kernel (:mod:`leapquant.triton.step_kernel`, which the
 interpreter runs and which serves where Gluon cannot): one program of 4 warps per (row, head), S applied to kn and qn
-without being formed. What differs is that every tensor has a layout chosen so that the sums stay inside a thread:
+without being formed. What differs is that every tensor has a layout chosen so that the sums stay inside a thread,
+and that no load waits for anything but the slot index:
 
-    (0) codes       the program's 16 KB of codes start copying into shared memory first (cp.async), so that their
-                    trip to memory overlaps everything up to (4)
-    (1) token       q, k and every per-channel quantity (the gate, pcum, s_k, xk = s_k / 127 col_gate kn, xq) one
-                    channel per thread (:data:`KVEC`): the norms are the only reductions over the channels
-    (2) window      the keys [L, K] a column per thread (:data:`WCOL`): the decay products D_j are a scan inside the
-                    thread; keys kn and keys qn reduce over the channels once
-    (3) rank part   u_old [R, K] a column per thread alike: u_old (col_gate kn), u_old (col_gate qn)
-    (4) codes       on the tensor cores: codes [V, K] (exact as fp16, two byte permutes and two half-precision
+    token           q, k, v, a and b load with the slot index (they depend on the row only)
+    (0) codes       the program's 16 KB of codes start copying into shared memory (cp.async)
+    (1) loads       everything else of the program at once: the whole window (its entries past the fill count are
+                    selected away after the sums, so no load waits for the fill count), the rank part, the scales
+    (2) token       kn, qn: the norms summed on copies holding 16 channels per thread (:data:`CODE_COLS`: 3 shuffles,
+                    no exchange between warps); every per-channel quantity (the gate, pcum, s_k, xk, xq) one channel
+                    per thread (:data:`KVEC`); KDA's decay products D_j a scan down a column per thread (:data:`WCOL`)
+    (3) window      keys kn and keys qn summed with 16 channels of an entry per thread (:data:`CODES`)
+    (4) rank part   u_old (col_gate kn), u_old (col_gate qn) alike; X = (xk, xq) split for the tensor cores
+    (5) codes       on the tensor cores: codes [V, K] (exact as fp16, two byte permutes and two half-precision
                     subtractions per four codes) times X [K, 8] = (xk, xq) each split into fp16 hi + lo parts under a
                     power-of-two scale (:func:`_fp16_split`), fp32 accumulators [V, 8] (:data:`ACC`), 32 channels
                     per step; the row sums go to shared memory
-    (5) rows        a state row per thread (:data:`VROW`): the window's ubuf^T (keys kn) and the rank part's
+    (6) rows        a state row per thread (:data:`VROW`): the window's ubuf^T (keys kn) and the rank part's
                     q_old^T (u_old kn) inside the thread, the codes' sums read back, then u_new, o and the stores
 
-Every value is fp32 but phase (4)'s operands: fp16 x fp16 products are exact, the tensor cores add them in fp32 (with
+Every value is fp32 but phase (5)'s operands: fp16 x fp16 products are exact, the tensor cores add them in fp32 (with
 truncation, a few ulp per mma), and the hi + lo split keeps 22 bits of each xk and xq, so the results equal the
 portable kernel's to about fp32 rounding (a CPU emulation of the phase with round-to-nearest sums: 1.8 ulp of
 sum |c x| at worst, against 3.9 for fp32 FMA chains over dequantised codes).
@@ -37,6 +40,11 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 
 #: warps of one program: one channel (and one state row) per thread
 WARPS = 4
+#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA needs 128 registers uncapped (4 programs per
+#: SM) and under a cap of 96 (5 programs) spills 48 bytes (24 local-memory instructions on sm_90); GDN fits 5 programs
+#: uncapped. On the H200, batch 256 (docs/design-triton.md, the step's variants): KDA 146.3 us uncapped -> 94.2
+#: capped; GDN 70.8 uncapped, 69.1 under the same cap (within the runs' spread; it spills on sm_100).
+MAX_REGISTERS = {"kda": 96, "gdn": None}
 
 _V = gl.constexpr(V)
 _K = gl.constexpr(K)
@@ -71,7 +79,9 @@ WCOL = gl.constexpr(gl.BlockedLayout([L, 1], [1, 32], [1, WARPS], [0, 1]))
 KVEC = gl.constexpr(gl.SliceLayout(0, WCOL))
 #: [V, L] ubuf^T: a state row (its L window values) per thread, row = 32 warp + lane; [V, R] q_old^T alike
 VROW = gl.constexpr(gl.BlockedLayout([1, L], [32, 1], [WARPS, 1], [1, 0]))
-QROW = gl.constexpr(gl.BlockedLayout([1, R], [32, 1], [WARPS, 1], [1, 0]))
+#: [L, 2] / [R, 2] pairs of per-entry values (keys kn, keys qn) with every entry in every thread, as VROW's columns
+PAIRS = gl.constexpr(gl.BlockedLayout([L, 2], [32, 1], [WARPS, 1], [1, 0]))
+PAIRS_R = gl.constexpr(gl.BlockedLayout([R, 2], [32, 1], [WARPS, 1], [1, 0]))
 #: a V-vector, one state row per thread
 VVEC = gl.constexpr(gl.SliceLayout(1, VROW))
 #: [16, K] tiles, 16 channels of a row per thread, 8 threads a row, 4 rows a warp: the codes' copy to shared memory
@@ -108,12 +118,31 @@ def _softplus(x):
 
 
 @gluon.jit
-def _fp16_split(x):
+def _beta(bx, BETA_BF16: gl.constexpr):
+    """sigmoid(b) for the bf16 scalar b, as fp32 (rounded to bf16 when BETA_BF16). In fp32 where that is exact enough:
+    for |b| <= 8 the fp32 form is within ~12 ulp of sigmoid(b) (the exponent's argument rounded, ex2 and the division
+    approximate), so its bf16 rounding is the exact value's unless it lies within 64 ulp of a bf16 rounding midpoint
+    (low 16 bits near 0x8000); there, and for |b| > 8, sigmoid in fp64 rounded once to fp32 (the portable kernel's
+    form). b is one value per program, so the branch never diverges."""
+    b = bx.to(gl.float32)
+    beta = gl.fdiv(1.0, 1.0 + gl.exp(-b), ieee_rounding=False)
+    slow = gl.abs(b) > 8.0
+    if BETA_BF16:
+        slow = slow | (gl.abs((beta.to(gl.int32, bitcast=True) & 0xFFFF) - 0x8000) <= 64)
+    if slow:
+        beta = (1.0 / (1.0 + gl.exp(-b.to(gl.float64)))).to(gl.float32)
+    if BETA_BF16:
+        beta = beta.to(gl.bfloat16).to(gl.float32)
+    return beta
+
+
+@gluon.jit
+def _fp16_split(x, top_abs):
     """(hi, lo, unit): x [K] fp32 = (hi + lo) unit to about 2^-22 of max |x|, hi and lo fp16, unit a power of two with
     max |x| / unit in [2^14, 2^15) where max |x| is normal (a subnormal maximum is scaled by 2^141: below 2^15, with
     the few bits it has; an all-zero x gives zeros). The scale 1 / unit = 2^shift, shift in [-113, 141], is applied as
     two exact factors (fp32 holds neither 2^141 nor, as a normal, its inverse: unit may be subnormal)."""
-    top = gl.max(gl.abs(x), 0).to(gl.int32, bitcast=True) >> 23                # max |x|'s biased exponent
+    top = top_abs.to(gl.int32, bitcast=True) >> 23                             # max |x|'s biased exponent
     shift = _SPLIT_EXP - top
     first = gl.minimum(shift, 127)
     xs = x * ((first + 127) << 23).to(gl.float32, bitcast=True) * ((shift - first + 127) << 23).to(gl.float32,
@@ -125,86 +154,104 @@ def _fp16_split(x):
 
 
 @gluon.jit
-def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr,
-                  qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, row, head, slot, SS, qkv_stride, a_stride,
-                  b_stride, H: gl.constexpr, HK: gl.constexpr, IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr):
+def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr,
+                  hcnt_ptr, A_log_ptr, dt_ptr, out_ptr, kx, qx, kx_c, qx_c, vx, ax, bx, row, head, slot, SS,
+                  H: gl.constexpr,
+                  IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr):
     prog = slot * H + head
     region = gl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, _ALIGN)
 
-    # ---- (0) the codes into shared memory, first ----
+    # ---- (0) the codes into shared memory ----
     cv = gl.arange(0, _V, layout=gl.SliceLayout(1, CODES))
     cc = gl.arange(0, _K, layout=gl.SliceLayout(0, CODES))
     async_copy.async_copy_global_to_shared(codes_s, raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + cc[None, :])
     async_copy.commit_group()
 
-    # fill count: L ("just flushed, empty") reads as 0; outside [0, L] clamped (as the reference)
+    # ---- (1) every other load of the program, none waiting for the fill count: the whole window is read and its
+    # entries past the fill count are selected away after the sums (the window's bytes are in the bound either way;
+    # loads masked by h put a third memory trip on every program's chain: GDN 112.0 -> 79.4 us without it) ----
     hc = gl.load(hcnt_ptr + prog)
-    h = gl.where(hc == _L, 0, hc)
-    h = gl.minimum(gl.maximum(h, 0), _L - 1)
-
-    # ---- (1) the token and the per-channel quantities, a channel per thread ----
     kk = gl.arange(0, _K, layout=KVEC)
-    tok_row = qkv_ptr + row * qkv_stride
-    hk = head // (H // HK)
-    kx = gl.load(tok_row + HK * _K + hk * _K + kk).to(gl.float32)
-    qx = gl.load(tok_row + hk * _K + kk).to(gl.float32)
-    kn = gl.div_rn(kx, gl.sqrt_rn(gl.sum(kx * kx, 0) + _NORM_EPS))
-    qn = gl.div_rn(qx, gl.sqrt_rn(gl.sum(qx * qx, 0) + _NORM_EPS)) * _INV_SQRT_K
-    A = gl.exp(gl.load(A_log_ptr + head))
+    vr = gl.arange(0, _V, layout=VVEC)
     kb = kbuf_ptr + prog * (_L * _K)
     ub = ubuf_ptr + prog * (_L * _V)
     wp = w_ptr + prog * _L
-    gb = gbuf_ptr + prog * (_L * _K)
-    gp = gate_ptr + prog * _K
-
-    # ---- (2) the window's effective keys [L, K], a column per thread; non-live entries loaded as 0 ----
-    # tile row r holds entry j = L - 1 - r, so that D_j's product over the later entries is a forward scan (Triton
-    # lowers a reverse scan by reversing the lanes: 5 shuffles per value, 140 shuffles in all)
-    jl = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
-    live = jl < h
-    w_old = gl.load(wp + jl, mask=live, other=0.0)
-    kwin = gl.load(kb + jl[:, None] * _K + kk[None, :], mask=live[:, None], other=0.0).to(gl.float32)
+    # window tiles hold entry j = L - 1 - r in row r, so that D_j's product over the later entries is a forward scan
+    # (Triton lowers a reverse scan by reversing the lanes: 5 shuffles per value, 140 shuffles in all)
+    jc = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, CODES))   # the entry of each CODES row
+    jv = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(0, VROW))    # ... of each VROW column
+    kwin = gl.load(kb + jc[:, None] * _K + cc[None, :])                 # bf16 [L, K], 16 channels of an entry
+    w_old = gl.load(wp + jc)                                            # [L], a thread's own entry
+    tok = raw_f16 + region * 2 + _TOK_HALF
+    rr = gl.arange(0, _R, layout=gl.SliceLayout(1, CODES))
+    u_old = gl.load(tok + rr[:, None] * _TOK_ROW + cc[None, :])         # fp16 [R, K]
+    rv = gl.arange(0, _R, layout=gl.SliceLayout(0, VROW))
+    q_oldT = gl.load(tok + rv[None, :] * _TOK_ROW + _K + vr[:, None])   # fp16 [V, R], a state row per thread
+    s_k = gl.load(raw_f32 + region + _SK_WORD + kk)
+    s_v = gl.load(raw_f32 + region + _SV_WORD + vr)
     if IS_KDA:
-        g = -A * _softplus(gl.load(a_ptr + row * a_stride + head * _K + kk).to(gl.float32)
-                           + gl.load(dt_ptr + head * _K + kk))
+        gp = gate_ptr + prog * _K
+        jl = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
+        # entry j + 1's decay factor in row j's place, a column per thread (entry L - 1's row reads its own row:
+        # it is never live below)
+        g_next = gl.load(gbuf_ptr + prog * (_L * _K) + gl.minimum(jl + 1, _L - 1)[:, None] * _K + kk[None, :])
+        pcum = gl.load(gp + kk)
+        dt = gl.load(dt_ptr + head * _K + kk)
+    else:
+        p_old = gl.load(gate_ptr + prog)
+        dt = gl.load(dt_ptr + head)
+    A = gl.exp(gl.load(A_log_ptr + head))
+
+    # fill count: L ("just flushed, empty") reads as 0; outside [0, L] clamped (as the reference)
+    h = gl.where(hc == _L, 0, hc)
+    h = gl.minimum(gl.maximum(h, 0), _L - 1)
+
+    # ---- (2) the token and the per-channel quantities, a channel per thread ----
+    # the sums over the channels run on the CODE_COLS copies (16 channels per thread, 3 shuffles, no exchange between
+    # warps); the norms by rsqrt: 2^-22 relative at worst, against the criterion's 1e-5 of kn's and o's magnitude
+    kx_c = kx_c.to(gl.float32)
+    qx_c = qx_c.to(gl.float32)
+    k_scale = gl.rsqrt(gl.sum(kx_c * kx_c, 0) + _NORM_EPS)
+    q_scale = gl.rsqrt(gl.sum(qx_c * qx_c, 0) + _NORM_EPS) * _INV_SQRT_K
+    kn = kx.to(gl.float32) * k_scale
+    qn = qx.to(gl.float32) * q_scale
+    kn_c = kx_c * k_scale
+    qn_c = qx_c * q_scale
+    g = -A * _softplus(ax.to(gl.float32) + dt)
+    if IS_KDA:
         en = gl.exp(g)
-        pcum_new = gl.load(gp + kk) + g
+        pcum_new = pcum + g
         col_gate = gl.exp(pcum_new)
         row_gate = 1.0
-        # D_j = en * prod_{j<i<h} gbuf_i: a scan down the thread's own column, over the rows of the later entries
-        g_next = gl.load(gb + (jl[:, None] + 1) * _K + kk[None, :], mask=(jl[:, None] + 1) < h, other=1.0)
-        decay = gl.associative_scan(g_next.to(gl.float32), 0, _mul)
-        keys = kwin * w_old[:, None] * (decay * en[None, :])
+        # D_j = en * prod_{j<i<h} gbuf_i: a scan down the thread's own column, entries from h on counting as 1
+        decay = gl.associative_scan(gl.where((jl[:, None] + 1) < h, g_next.to(gl.float32), 1.0), 0, _mul)
+        keys = kwin.to(gl.float32) * gl.convert_layout(decay * en[None, :], CODES)
         w_eff = w_old
     else:
-        g = -A * _softplus(gl.load(a_ptr + row * a_stride + head).to(gl.float32) + gl.load(dt_ptr + head))
         at = gl.exp(g)
-        p_new = gl.load(gate_ptr + prog) * at
+        p_new = p_old * at
         col_gate = gl.full([_K], 1.0, gl.float32, layout=KVEC)
         row_gate = p_new
         w_eff = w_old * at
-        keys = kwin * w_eff[:, None]
-    # keys kn, keys qn: the keys move to 16 channels of a row per thread (one exchange), so that the sums over the
-    # channels run inside the thread but for 3 shuffles (a column per thread took 5 shuffles per entry and vector)
-    kn_c = gl.convert_layout(kn, CODE_COLS)
-    qn_c = gl.convert_layout(qn, CODE_COLS)
-    keys_r = gl.convert_layout(keys, CODES)
-    tk = gl.sum(keys_r * kn_c[None, :], 1)                            # [L] keys kn
-    tq = gl.sum(keys_r * qn_c[None, :], 1)
+        keys = kwin.to(gl.float32)
+    # ---- (3) the window's sums over the channels, 16 channels of an entry per thread (16 products, 3 shuffles),
+    # each entry's weight after its sum; the entries past the fill count become 0 here ----
+    live = jc < h
+    tk = gl.where(live, gl.sum(keys * kn_c[None, :], 1) * w_eff, 0.0)        # [L] keys kn
+    tq = gl.where(live, gl.sum(keys * qn_c[None, :], 1) * w_eff, 0.0)
 
-    # ---- (3) the rank part: u_old (col_gate kn), u_old (col_gate qn), 16 channels of a row per thread ----
-    rr = gl.arange(0, _R, layout=gl.SliceLayout(1, CODES))
-    tok = raw_f16 + region * 2 + _TOK_HALF
-    u_old = gl.load(tok + rr[:, None] * _TOK_ROW + cc[None, :]).to(gl.float32)
+    # ---- (4) the rank part: u_old (col_gate kn), u_old (col_gate qn), 16 channels of a row per thread ----
     gate_c = gl.convert_layout(col_gate, CODE_COLS)
-    uk = gl.sum(u_old * (gate_c * kn_c)[None, :], 1) * row_gate       # [R]
-    uq = gl.sum(u_old * (gate_c * qn_c)[None, :], 1) * row_gate
-    col = gl.load(raw_f32 + region + _SK_WORD + kk) / _QMAX * col_gate
-    xk_hi, xk_lo, unit_k = _fp16_split(col * kn)
-    xq_hi, xq_lo, unit_q = _fp16_split(col * qn)
-    knq = gl.sum(kn * qn, 0)
+    uk = gl.sum(u_old.to(gl.float32) * (gate_c * kn_c)[None, :], 1) * row_gate       # [R]
+    uq = gl.sum(u_old.to(gl.float32) * (gate_c * qn_c)[None, :], 1) * row_gate
+    # X = (xk, xq) = s_k / 127 col_gate (kn, qn), a channel per thread (their maxima from CODE_COLS copies needed 16
+    # more registers per thread: GDN 80 -> 119)
+    col = s_k / _QMAX * col_gate
+    xk_hi, xk_lo, unit_k = _fp16_split(col * kn, gl.max(gl.abs(col * kn), 0))
+    xq_hi, xq_lo, unit_q = _fp16_split(col * qn, gl.max(gl.abs(col * qn), 0))
+    knq = gl.sum(kn_c * qn_c, 0)
 
-    # ---- (4) the codes on the tensor cores: [V, K] codes x X [K, 8], X's columns (xk hi, lo, xq hi, lo, 0 ...) ----
+    # ---- (5) the codes on the tensor cores: [V, K] codes x X [K, 8], X's columns (xk hi, lo, xq hi, lo, 0 ...) ----
     n8 = gl.arange(0, 8, layout=gl.SliceLayout(1, XT))[:, None]
     xT = gl.where(n8 == 0, gl.convert_layout(xk_hi, gl.SliceLayout(0, XT))[None, :],
                   gl.where(n8 == 1, gl.convert_layout(xk_lo, gl.SliceLayout(0, XT))[None, :],
@@ -223,27 +270,26 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     sums_k.store(gl.sum(gl.where(n_acc < 2, acc, 0.0), 1) * unit_k)
     sums_q.store(gl.sum(gl.where((n_acc >= 2) & (n_acc < 4), acc, 0.0), 1) * unit_q)
 
-    # ---- (5) a state row per thread: the window's and the rank part's terms, then the delta rule ----
-    vr = gl.arange(0, _V, layout=VVEC)
-    jv = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(0, VROW))   # the entries in the window tiles' row order
-    ubT = gl.load(ub + jv[None, :] * _V + vr[:, None], mask=(jv < h)[None, :], other=0.0).to(gl.float32)
-    tk_r = gl.convert_layout(tk, gl.SliceLayout(0, VROW))
-    tq_r = gl.convert_layout(tq, gl.SliceLayout(0, VROW))
-    rq = gl.arange(0, _R, layout=gl.SliceLayout(0, QROW))
-    vq = gl.arange(0, _V, layout=gl.SliceLayout(1, QROW))
-    q_oldT = gl.load(tok + rq[None, :] * _TOK_ROW + _K + vq[:, None]).to(gl.float32)
-    rank_k = gl.convert_layout(gl.sum(q_oldT * gl.convert_layout(uk, gl.SliceLayout(0, QROW))[None, :], 1), VVEC)
-    rank_q = gl.convert_layout(gl.sum(q_oldT * gl.convert_layout(uq, gl.SliceLayout(0, QROW))[None, :], 1), VVEC)
-    row_f = gl.load(raw_f32 + region + _SV_WORD + vr) * row_gate
+    # ---- (6) a state row per thread: the window's and the rank part's terms, then the delta rule ----
+    # loaded here rather than in (1): registers (its load in (1): KDA 135, GDN 128 registers)
+    ubT = gl.load(ub + jv[None, :] * _V + vr[:, None])                  # bf16 [V, L], a state row per thread
+    ubT = gl.where((jv < h)[None, :], ubT.to(gl.float32), 0.0)          # entries past h: stale, never read
+    # the per-entry and per-rank-row sums to every thread, each pair in one exchange
+    tk_r, tq_r = gl.split(gl.convert_layout(gl.join(tk, tq), PAIRS))
+    uk_r, uq_r = gl.split(gl.convert_layout(gl.join(uk, uq), PAIRS_R))
+    tk_r = gl.convert_layout(tk_r, gl.SliceLayout(0, VROW))
+    tq_r = gl.convert_layout(tq_r, gl.SliceLayout(0, VROW))
+    uk_r = gl.convert_layout(uk_r, gl.SliceLayout(0, VROW))
+    uq_r = gl.convert_layout(uq_r, gl.SliceLayout(0, VROW))
+    q_oldT = q_oldT.to(gl.float32)
+    rank_k = gl.sum(q_oldT * uk_r[None, :], 1)
+    rank_q = gl.sum(q_oldT * uq_r[None, :], 1)
+    row_f = s_v * row_gate
     gl.thread_barrier()                                               # the codes' row sums are in shared memory
     Sk = sums_k.load(VVEC) * row_f + rank_k + gl.sum(ubT * tk_r[None, :], 1)
     Sq = sums_q.load(VVEC) * row_f + rank_q + gl.sum(ubT * tq_r[None, :], 1)
-    bx = gl.load(b_ptr + row * b_stride + head).to(gl.float32)
-    # sigmoid in fp64, rounded once to fp32 (as the portable kernel: b near bf16 rounding midpoints)
-    beta = (1.0 / (1.0 + gl.exp(-bx.to(gl.float64)))).to(gl.float32)
-    if BETA_BF16:
-        beta = beta.to(gl.bfloat16).to(gl.float32)
-    u_new = beta * (gl.load(tok_row + 2 * HK * _K + head * _V + vr).to(gl.float32) - Sk)
+    beta = _beta(bx, BETA_BF16)
+    u_new = beta * (vx.to(gl.float32) - Sk)
     o = Sq + knq * u_new
 
     # ---- the writes: the output, entry h (kn, u_new, KDA en), the weights, the gate state, the fill count ----
@@ -251,16 +297,16 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     gl.store(ub + h * _V + vr, u_new.to(gl.bfloat16))
     gl.store(kb + h * _K + kk, kn.to(gl.bfloat16))
     if IS_KDA:
-        gl.store(gb + h * _K + kk, en.to(gl.float16))
+        gl.store(gbuf_ptr + prog * (_L * _K) + h * _K + kk, en.to(gl.float16))
         gl.store(gp + kk, pcum_new)
-        gl.store(wp + jl, gl.full([_L], 1.0, gl.float32, layout=gl.SliceLayout(1, WCOL)), mask=jl == h)
+        gl.store(wp + jc, gl.full([_L], 1.0, gl.float32, layout=gl.SliceLayout(1, CODES)), mask=jc == h)
     else:
         gl.store(gate_ptr + prog, p_new)
-        gl.store(wp + jl, gl.where(jl == h, 1.0, w_eff), mask=jl <= h)
+        gl.store(wp + jc, gl.where(jc == h, 1.0, w_eff), mask=jc <= h)
     gl.store(hcnt_ptr + prog, h + 1)
 
 
-@gluon.jit(do_not_specialize=["num_slots", "SS", "qkv_stride", "a_stride", "b_stride"])
+@gluon.jit(do_not_specialize=["num_slots", "SS", "a_stride", "b_stride"])
 def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, idx_ptr, qkv_ptr,
                 a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, num_slots, SS, qkv_stride, a_stride, b_stride,
                 H: gl.constexpr, HK: gl.constexpr, IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr):
@@ -270,14 +316,28 @@ def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     row = (pid // H).to(gl.int64)
     head = (pid % H).to(gl.int64)
     slot = gl.load(idx_ptr + row).to(gl.int64)
+    # the token's loads depend on the row only: they travel beside idx's, before the slot is known
+    hk = head // (H // HK)
+    tok_row = qkv_ptr + row * qkv_stride
+    kx = gl.load(tok_row + HK * _K + hk * _K + gl.arange(0, _K, layout=KVEC))
+    qx = gl.load(tok_row + hk * _K + gl.arange(0, _K, layout=KVEC))
+    kx_c = gl.load(tok_row + HK * _K + hk * _K + gl.arange(0, _K, layout=CODE_COLS))
+    qx_c = gl.load(tok_row + hk * _K + gl.arange(0, _K, layout=CODE_COLS))
+    vx = gl.load(tok_row + 2 * HK * _K + head * _V + gl.arange(0, _V, layout=VVEC))
+    bx = gl.load(b_ptr + row * b_stride + head)
+    if IS_KDA:
+        ax = gl.load(a_ptr + row * a_stride + head * _K + gl.arange(0, _K, layout=KVEC))
+    else:
+        ax = gl.load(a_ptr + row * a_stride + head)
     codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM)
     x_s = gl.allocate_shared_memory(gl.float16, [8, _K], PLAIN2_SMEM)
     sums_k = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     sums_q = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     if (slot > 0) & (slot < num_slots):
-        _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr, ubuf_ptr,
-                      w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, row,
-                      head, slot, SS, qkv_stride, a_stride, b_stride, H, HK, IS_KDA, BETA_BF16)
+        _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr,
+                      ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, A_log_ptr, dt_ptr, out_ptr, kx, qx, kx_c, qx_c,
+                      vx, ax, bx,
+                      row, head, slot, SS, H, IS_KDA, BETA_BF16)
     else:                                   # no sequence on this row: a zero output, nothing else written
         gl.store(out_ptr + (row * H + head) * _V + gl.arange(0, _V, layout=VVEC),
                  gl.zeros([_V], gl.bfloat16, layout=VVEC))

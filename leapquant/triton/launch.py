@@ -260,7 +260,8 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
     grid = (idx.numel() * pool.num_heads,)
     if _step_kernel_choice(pool.device) == "mma":
         gk = _gluon_step_kernel()
-        gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1)
+        gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1,
+                             maxnreg=gk.MAX_REGISTERS[pool.gate])
     else:
         step_kernel.step_kernel[grid](*args, **meta, BV=step_kernel.BV, num_warps=step_kernel.WARPS, num_stages=1)
 
