@@ -52,3 +52,57 @@ def test_the_probe_passes_the_criterion_on_a_small_case():
     S = rebuild(*case.checkpoint(), t["kbuf"], t["ubuf"], t["w"], **case.gate_kwargs())
     assert case.judge(pf.compress_factored(S, None, case.q0, 0, False), "dense").passed
     assert case.judge(pf.compress_factored(S, pf.Factored(t, "kda"), case.q0, 3, True), "factored").passed
+
+
+def test_copy_floor_moves_the_due_programs_bytes():
+    """probe_copy_floor (issue 28, P3) in a child Python under the Triton interpreter (a CPU): each program of idx
+    writes its checkpoint back unchanged, its reset fields from what it read (KDA gbuf = kbuf ^ ubuf ^ gbuf, pcum and w
+    xor the fill count; GDN w xor the fill count, p xor the window's xor), and nothing else changes."""
+    import subprocess
+    code = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import probe_copy_floor as cf
+from leapquant.layout import Pool
+for gate in ("kda", "gdn"):
+    pool = Pool(4, 2, gate=gate)
+    g = torch.Generator().manual_seed(1)
+    pool.raw.view(torch.int32).copy_(torch.randint(-2**31, 2**31 - 1, (pool.raw.numel(),), generator=g).to(torch.int32))
+    for name in ("kbuf", "ubuf", "w", "pcum" if gate == "kda" else "p", "hcnt") + (("gbuf",) if gate == "kda" else ()):
+        t = getattr(pool, name)
+        t.view(torch.int32 if t.element_size() == 4 else torch.int16).copy_(
+            torch.randint(-2**15, 2**15 - 1, t.shape, generator=g).to(torch.int32 if t.element_size() == 4 else torch.int16))
+    before = {n: getattr(pool, n).clone() for n in ("raw", "kbuf", "ubuf", "w", "hcnt", "pcum" if gate == "kda" else "p")
+              + (("gbuf",) if gate == "kda" else ())}
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    cf.launch(pool, idx)
+    i32 = lambda t: t.view(torch.int32)
+    bits = lambda t: t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+    for n in ("raw", "kbuf", "ubuf", "hcnt"):          # (as bits: random words include NaNs)
+        assert torch.equal(bits(getattr(pool, n)), bits(before[n])), n
+    s = idx.long()
+    hc = before["hcnt"][s]
+    w_want = before["w"].clone()
+    w_want[s] = (i32(before["w"][s]) ^ hc.unsqueeze(-1)).view(torch.float32)
+    assert torch.equal(i32(pool.w), i32(w_want))
+    mix = i32(before["kbuf"][s]).flatten(-2) ^ i32(before["ubuf"][s]).flatten(-2)
+    if gate == "kda":
+        g_want = before["gbuf"].clone()
+        g_want[s] = (mix ^ i32(before["gbuf"][s]).flatten(-2)).view(torch.float16).view(g_want[s].shape)
+        assert torch.equal(pool.gbuf.view(torch.int16), g_want.view(torch.int16))
+        p_want = before["pcum"].clone()
+        p_want[s] = (i32(before["pcum"][s]) ^ hc.unsqueeze(-1)).view(torch.float32)
+        assert torch.equal(i32(pool.pcum), i32(p_want))
+    else:
+        x = mix[..., 0]
+        for k in range(1, mix.shape[-1]):
+            x = x ^ mix[..., k]
+        p_want = before["p"].clone()
+        p_want[s] = (i32(before["p"][s]) ^ x).view(torch.float32)
+        assert torch.equal(i32(pool.p), i32(p_want))
+print("ok")
+"""
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
