@@ -3,12 +3,14 @@
 Same contract, grid and arguments as the portable step kernel (:mod:`leapquant.triton.step_kernel`, which the
 interpreter runs and which serves where Gluon cannot): one program of 4 warps per (row, head), S applied to kn and qn
 without being formed. What differs is that every tensor has a layout chosen so that the sums stay inside a thread,
-and that no load waits for anything but the slot index:
+and that no load waits for the window's fill count:
 
-    token           q, k, v, a and b load with the slot index (they depend on the row only)
+    token           q, k, v, a and b (written before the slot test, as they depend on the row only; ptxas places
+                    them after the branch, beside the loads of (1))
     (0) codes       the program's 16 KB of codes start copying into shared memory (cp.async)
-    (1) loads       everything else of the program at once: the whole window (its entries past the fill count are
-                    selected away after the sums, so no load waits for the fill count), the rank part, the scales
+    (1) loads       everything else of the program but ubuf: the whole window's keys and weights (its entries past the
+                    fill count are selected away after the sums, so no load waits for the fill count), the rank
+                    part, the scales; ubuf^T loads in (6), whole as well (fewer registers held by loads in flight)
     (2) token       kn, qn: the norms summed on copies holding 16 channels per thread (:data:`CODE_COLS`: 3 shuffles,
                     no exchange between warps); every per-channel quantity (the gate, pcum, s_k, xk, xq) one channel
                     per thread (:data:`KVEC`); KDA's decay products D_j a scan down a column per thread (:data:`WCOL`)
@@ -40,10 +42,10 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 
 #: warps of one program: one channel (and one state row) per thread
 WARPS = 4
-#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA needs 128 registers uncapped (4 programs per
-#: SM) and under a cap of 96 (5 programs) spills 48 bytes (24 local-memory instructions on sm_90); GDN fits 5 programs
-#: uncapped. On the H200, batch 256 (docs/design-triton.md, the step's variants): KDA 146.3 us uncapped -> 94.2
-#: capped; GDN 70.8 uncapped, 69.1 under the same cap (within the runs' spread; it spills on sm_100).
+#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA takes 154 registers uncapped (3 programs per
+#: SM) and under a cap of 96 (5 programs) spills 48 bytes (24 local-memory instructions on sm_90); GDN takes 80
+#: uncapped (6 programs). On the H200, batch 256 (docs/design-triton.md, the step's variants): KDA 146.3 us uncapped,
+#: 94.2 capped; GDN 70.8 uncapped, 69.1 under a cap of 96 (within the runs' spread; it spills on sm_100).
 MAX_REGISTERS = {"kda": 96, "gdn": None}
 
 _V = gl.constexpr(V)
@@ -62,7 +64,7 @@ _ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))
 _NORM_EPS = gl.constexpr(NORM_EPS)
 _SP_THRESHOLD = gl.constexpr(SOFTPLUS_THRESHOLD)
 _INV_SQRT_K = gl.constexpr(K ** -0.5)
-_KSTEP = gl.constexpr(32)                   #: channels per step of phase (4): two k = 16 mma steps
+_KSTEP = gl.constexpr(32)                   #: channels per step of phase (5): two k = 16 mma steps
 #: four codes to four exact fp16 values per call: one sign flip of the four bytes makes u = c + 128, a byte permute
 #: per pair puts u under the exponent byte 0x64 (the half 1024 + u), and one f16x2 subtraction of 1152 leaves c
 _CODE_HALF_ASM = gl.constexpr(
@@ -89,7 +91,7 @@ VVEC = gl.constexpr(gl.SliceLayout(1, VROW))
 CODES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
 #: a K-vector as every thread of a CODES tile needs it: its 16 channels
 CODE_COLS = gl.constexpr(gl.SliceLayout(0, CODES))
-#: phase (4): [V, 8] fp32 mma accumulators, warp w holding rows 16 w .. 16 w + 15 and 64 + 16 w ..; the codes and X
+#: phase (5): [V, 8] fp32 mma accumulators, warp w holding rows 16 w .. 16 w + 15 and 64 + 16 w ..; the codes and X
 #: as its operands, each thread holding 8 consecutive channels (k_width 8: one 8-byte load of codes per row and step,
 #: the same channel order in both operands, so the sum over the channels is unchanged)
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
@@ -120,10 +122,12 @@ def _softplus(x):
 @gluon.jit
 def _beta(bx, BETA_BF16: gl.constexpr):
     """sigmoid(b) for the bf16 scalar b, as fp32 (rounded to bf16 when BETA_BF16). In fp32 where that is exact enough:
-    for |b| <= 8 the fp32 form is within ~12 ulp of sigmoid(b) (the exponent's argument rounded, ex2 and the division
-    approximate), so its bf16 rounding is the exact value's unless it lies within 64 ulp of a bf16 rounding midpoint
-    (low 16 bits near 0x8000); there, and for |b| > 8, sigmoid in fp64 rounded once to fp32 (the portable kernel's
-    form). b is one value per program, so the branch never diverges."""
+    for |b| <= 8 the fp32 form is within ~16 ulp of sigmoid(b) (the exponent's argument rounded: ln 2 * 11.5 * 2^-24
+    relative, ~8 ulp; log2 e, ex2, 1 + e and the division: a few more), so its bf16 rounding is the exact value's unless
+    it lies within 64 ulp of a bf16 rounding midpoint (low 16 bits near 0x8000); there, and for |b| > 8, sigmoid in
+    fp64 rounded to fp32 (the portable kernel's form; rounded again to bf16, a double rounding whose agreement with
+    the exact value's rounding tests/test_triton_step.py checks on every bf16 b). b is one value per program, so the
+    branch never diverges."""
     b = bx.to(gl.float32)
     beta = gl.fdiv(1.0, 1.0 + gl.exp(-b), ieee_rounding=False)
     slow = gl.abs(b) > 8.0
@@ -169,7 +173,8 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
 
     # ---- (1) every other load of the program, none waiting for the fill count: the whole window is read and its
     # entries past the fill count are selected away after the sums (the window's bytes are in the bound either way;
-    # loads masked by h put a third memory trip on every program's chain: GDN 112.0 -> 79.4 us without it) ----
+    # loads masked by h make the fill count a memory trip on every program's chain: the design note's variants,
+    # GDN 120.4 -> 80.0 us at batch 256) ----
     hc = gl.load(hcnt_ptr + prog)
     kk = gl.arange(0, _K, layout=KVEC)
     vr = gl.arange(0, _V, layout=VVEC)
@@ -208,7 +213,8 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
 
     # ---- (2) the token and the per-channel quantities, a channel per thread ----
     # the sums over the channels run on the CODE_COLS copies (16 channels per thread, 3 shuffles, no exchange between
-    # warps); the norms by rsqrt: 2^-22 relative at worst, against the criterion's 1e-5 of kn's and o's magnitude
+    # warps); the norms by rsqrt: 2^-22 relative at worst (qn, scaled by K^-1/2 too: 2^-21.6), against the
+    # criterion's 1e-5 of kn's and o's magnitude
     kx_c = kx_c.to(gl.float32)
     qx_c = qx_c.to(gl.float32)
     k_scale = gl.rsqrt(gl.sum(kx_c * kx_c, 0) + _NORM_EPS)
@@ -244,8 +250,8 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     gate_c = gl.convert_layout(col_gate, CODE_COLS)
     uk = gl.sum(u_old.to(gl.float32) * (gate_c * kn_c)[None, :], 1) * row_gate       # [R]
     uq = gl.sum(u_old.to(gl.float32) * (gate_c * qn_c)[None, :], 1) * row_gate
-    # X = (xk, xq) = s_k / 127 col_gate (kn, qn), a channel per thread (their maxima from CODE_COLS copies needed 16
-    # more registers per thread: GDN 80 -> 119)
+    # X = (xk, xq) = s_k / 127 col_gate (kn, qn) and their maxima, a channel per thread (maxima taken on CODE_COLS
+    # copies hold 16 more fp32 per thread: 119 registers for GDN against 80)
     col = s_k / _QMAX * col_gate
     xk_hi, xk_lo, unit_k = _fp16_split(col * kn, gl.max(gl.abs(col * kn), 0))
     xq_hi, xq_lo, unit_q = _fp16_split(col * qn, gl.max(gl.abs(col * qn), 0))
@@ -271,9 +277,10 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     sums_q.store(gl.sum(gl.where((n_acc >= 2) & (n_acc < 4), acc, 0.0), 1) * unit_q)
 
     # ---- (6) a state row per thread: the window's and the rank part's terms, then the delta rule ----
-    # loaded here rather than in (1): registers (its load in (1): KDA 135, GDN 128 registers)
+    # loaded here rather than in (1), to hold fewer registers while the loads are in flight (the design note's
+    # variants: GDN 90 registers against 128 with it in (1))
     ubT = gl.load(ub + jv[None, :] * _V + vr[:, None])                  # bf16 [V, L], a state row per thread
-    ubT = gl.where((jv < h)[None, :], ubT.to(gl.float32), 0.0)          # entries past h: stale, never read
+    ubT = gl.where((jv < h)[None, :], ubT.to(gl.float32), 0.0)          # entries past h: stale, never used
     # the per-entry and per-rank-row sums to every thread, each pair in one exchange
     tk_r, tq_r = gl.split(gl.convert_layout(gl.join(tk, tq), PAIRS))
     uk_r, uq_r = gl.split(gl.convert_layout(gl.join(uk, uq), PAIRS_R))
@@ -316,7 +323,8 @@ def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     row = (pid // H).to(gl.int64)
     head = (pid % H).to(gl.int64)
     slot = gl.load(idx_ptr + row).to(gl.int64)
-    # the token's loads depend on the row only: they travel beside idx's, before the slot is known
+    # the token's loads depend on the row only, so they are written before the slot test (ptxas still places them
+    # after the branch)
     hk = head // (H // HK)
     tok_row = qkv_ptr + row * qkv_stride
     kx = gl.load(tok_row + HK * _K + hk * _K + gl.arange(0, _K, layout=KVEC))
