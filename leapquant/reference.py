@@ -261,6 +261,10 @@ def step_state(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: tor
     else:
         old = decode_checkpoint(codes, s_k, s_v, u, q, dtype)
     live = live_entries(h)
+    # the entries past h are selected away, never multiplied by 0: whatever they hold (NaN included) stays out
+    zero = torch.zeros((), dtype=dtype, device=kbuf.device)
+    kbuf = torch.where(live.unsqueeze(-1), kbuf.to(dtype), zero)
+    ubuf = torch.where(live.unsqueeze(-1), ubuf.to(dtype), zero)
     g = g.to(dtype)
     if p is None:
         if gbuf is None or pcum is None:
@@ -270,14 +274,14 @@ def step_state(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: tor
         # D_j = en * prod_{j<i<h} gbuf_i: the decays of the later live entries (1 in place of the others), this step's
         gl = torch.where(live.unsqueeze(-1), gbuf.to(dtype), torch.ones((), dtype=dtype, device=gbuf.device))
         decay = window_decays(gl, dtype) * en.unsqueeze(-2) * live.unsqueeze(-1).to(dtype)
-        keys = ab(w.to(dtype)).unsqueeze(-1) * ab(kbuf.to(dtype)) * decay
-        S = old * torch.exp(pcum_new).unsqueeze(-2) + ab(ubuf.to(dtype)).transpose(-1, -2) @ keys
+        keys = ab(torch.where(live, w.to(dtype), zero)).unsqueeze(-1) * ab(kbuf) * decay
+        S = old * torch.exp(pcum_new).unsqueeze(-2) + ab(ubuf).transpose(-1, -2) @ keys
         return S, {"en": en, "pcum_new": pcum_new}
     at = torch.exp(g)
     p_new = p.to(dtype) * at
     w_live = torch.where(live, w.to(dtype) * at.unsqueeze(-1), w.to(dtype))
-    keys = (ab(w_live) * live.to(dtype)).unsqueeze(-1) * ab(kbuf.to(dtype))
-    S = old * p_new[..., None, None] + ab(ubuf.to(dtype)).transpose(-1, -2) @ keys
+    keys = ab(torch.where(live, w_live, zero)).unsqueeze(-1) * ab(kbuf)
+    S = old * p_new[..., None, None] + ab(ubuf).transpose(-1, -2) @ keys
     return S, {"at": at, "p_new": p_new, "w_live": w_live}
 
 

@@ -144,6 +144,58 @@ def test_deployment_footprint(gate, hk, beta_bf16):
         assert torch.equal(now.contiguous().view(torch.uint8), before[name]), name
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_stale_window_entries_never_reach_the_outputs(gate, backend):
+    """Window entries past the fill count (j >= h: stale, left by earlier windows) are loaded by the Gluon kernel
+    and selected away after its sums: with them NaN / inf (kbuf, ubuf, w, KDA gbuf) the step writes exactly the bytes
+    it writes with them finite, and leaves the stale entries past h as they were."""
+    hk = H if gate == "kda" else 2
+    runs = []
+    for poison in (False, True):
+        pool = lq.Pool(NS, H, gate=gate, device=DEVICE)
+        fill_noise(pool, seed=5)
+        sf.make_step_case(3, H, gate, seed=5, num_k_heads=hk).load_into(pool, [2, 3, 5])
+        slots = torch.tensor([2, 3, 5])
+        hc = pool.hcnt[slots].cpu()
+        h = torch.where(hc == L, 0, hc).long()
+        stale = torch.arange(L).view(1, 1, L) >= h.unsqueeze(-1)          # [3, H, L]
+        if poison:
+            bad = torch.tensor([float("nan"), float("inf"), -float("inf")])
+            for name in ("kbuf", "ubuf", "w") + (("gbuf",) if gate == "kda" else ()):
+                t = getattr(pool, name)
+                vals = t[slots.to(DEVICE)].cpu()
+                fill = bad[torch.arange(vals.numel()) % 3].view(vals.shape).to(vals.dtype)
+                mask = stale.view(stale.shape + (1,) * (vals.dim() - 3)).expand_as(vals)
+                t[slots.to(DEVICE)] = torch.where(mask, fill, vals).to(DEVICE)
+        g = torch.Generator().manual_seed(9)
+        N = 3
+        qkv = torch.randn(N, 2 * hk * K + H * V, generator=g).bfloat16().to(DEVICE)
+        a = (torch.randn(N, H, K, generator=g) if gate == "kda" else torch.randn(N, H, generator=g)).bfloat16()
+        b = torch.randn(N, H, generator=g).bfloat16().to(DEVICE)
+        A_log, dt_bias = (x.to(DEVICE) for x in sf.head_constants(H, gate, g))
+        out = torch.full((N, H, V), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        idx = slots.to(DEVICE, torch.int32)
+        dispatch.get_backend(backend).step(pool, idx, qkv, a.to(DEVICE), b, A_log, dt_bias, out, hk, True)
+        runs.append((pool, out, stale, h))
+    (clean, out0, stale, h), (dirty, out1, _, _) = runs
+    assert torch.equal(out0.view(torch.int16), out1.view(torch.int16)), "stale entries changed the output"
+    s = torch.tensor([2, 3, 5])
+    past = stale.clone()
+    past[torch.arange(3).unsqueeze(1), torch.arange(H).unsqueeze(0), h] = False        # entry h is written
+    for name, t in clean.window_tensors().items():
+        a0, a1 = t[s.to(DEVICE)].cpu(), getattr(dirty, name)[s.to(DEVICE)].cpu()
+        if t.dim() >= 3 and t.shape[2] == L:                                # entries: compare all but the stale ones
+            keep = ~past.view(past.shape + (1,) * (a0.dim() - 3)).expand_as(a0)
+            a0, a1 = a0[keep], a1[keep]
+        bits = torch.int32 if a0.element_size() == 4 else torch.int16
+        assert torch.equal(a0.contiguous().view(bits), a1.contiguous().view(bits)), name
+    for name in ("kbuf", "ubuf", "w") + (("gbuf",) if gate == "kda" else ()):   # the stale entries past h untouched
+        t = getattr(dirty, name)[s.to(DEVICE)].cpu()
+        mask = past.view(past.shape + (1,) * (t.dim() - 3)).expand_as(t)
+        assert not bool(torch.isfinite(t[mask].float()).any()), f"{name}: a stale entry past h was written"
+
+
 def test_empty_idx_launches_nothing():
     pool = lq.Pool(3, H, gate="kda")
     fill_noise(pool, seed=1)
