@@ -70,10 +70,10 @@ for gate in ("kda", "gdn"):
     pool.raw.view(torch.int32).copy_(torch.randint(-2**31, 2**31 - 1, (pool.raw.numel(),), generator=g).to(torch.int32))
     for name in ("kbuf", "ubuf", "w", "pcum" if gate == "kda" else "p", "hcnt") + (("gbuf",) if gate == "kda" else ()):
         t = getattr(pool, name)
-        t.view(torch.int32 if t.element_size() == 4 else torch.int16).copy_(
-            torch.randint(-2**15, 2**15 - 1, t.shape, generator=g).to(torch.int32 if t.element_size() == 4 else torch.int16))
-    before = {n: getattr(pool, n).clone() for n in ("raw", "kbuf", "ubuf", "w", "hcnt", "pcum" if gate == "kda" else "p")
-              + (("gbuf",) if gate == "kda" else ())}
+        it = torch.int32 if t.element_size() == 4 else torch.int16
+        t.view(it).copy_(torch.randint(-2**15, 2**15 - 1, t.shape, generator=g).to(it))
+    names = ("raw", "kbuf", "ubuf", "w", "hcnt", "pcum" if gate == "kda" else "p") + (("gbuf",) if gate == "kda" else ())
+    before = {n: getattr(pool, n).clone() for n in names}
     idx = torch.tensor([3, 1], dtype=torch.int32)
     cf.launch(pool, idx)
     i32 = lambda t: t.view(torch.int32)
