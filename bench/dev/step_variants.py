@@ -1,7 +1,8 @@
 """Times the Triton step kernels' variants on one GPU, L2-cold, CUDA kernel time (leapquant.bench.time_calls_kernel),
 KDA and GDN, window at fill 1 and 15, every program stepping: the Gluon kernel (also under register caps, --maxnreg),
 another version of it from a file (--gluon-file, e.g. `git show <commit>:leapquant/triton/gluon_step_kernel.py`: an
-A/B on one machine) and the portable kernel. Prints one markdown table.
+A/B on one machine; a kernel that takes ``num_rows`` is launched as a persistent grid of the programs resident at
+once) and the portable kernel. Prints one markdown table.
 Dev tool: python bench/dev/step_variants.py --batch 256 [--maxnreg 80 72] [--gluon-file old.py ...] [--no-tl]."""
 from __future__ import annotations
 
@@ -18,17 +19,33 @@ from leapquant.bench_step import make_tokens, num_k_heads_for, tile_case
 from leapquant.layout import Pool, slot_stride, step_program_bytes
 from leapquant.step_families import make_step_case
 from leapquant.triton import step_kernel
-from leapquant.triton.launch import pool_buffers
+from leapquant.triton.launch import pool_buffers, programs_per_sm
+
+
+#: (kernel, options) -> the programs of a persistent kernel resident at once
+RESIDENT: dict = {}
 
 
 def launch(kernel, warps, bv, pool, idx, tk, hk):
+    """One launch of ``kernel``: a persistent grid (the programs resident at once) when it takes ``num_rows``, else
+    one program per (row, head)."""
     raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
     qkv, a, b, out = tk
-    kernel[(idx.numel() * pool.num_heads,)](
-        raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
-        A_LOG, DT, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0),
-        H=pool.num_heads, HK=hk, IS_KDA=pool.gate == "kda", BETA_BF16=True, num_warps=warps, num_stages=1,
-        **bv)
+    head = (raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
+            A_LOG, DT, out)
+    tail = (pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
+    meta = dict(H=pool.num_heads, HK=hk, IS_KDA=pool.gate == "kda", BETA_BF16=True, num_warps=warps, num_stages=1,
+                **bv)
+    items = idx.numel() * pool.num_heads
+    if "num_rows" in kernel.arg_names:
+        args = head + (idx.numel(),) + tail
+        key = (kernel, tuple(sorted(meta.items())))
+        if key not in RESIDENT:
+            sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+            RESIDENT[key] = programs_per_sm(pool.device, kernel, args, meta) * sms
+        kernel[(min(items, RESIDENT[key]),)](*args, **meta)
+    else:
+        kernel[(items,)](*head, *tail, **meta)
 
 
 def load_gluon_file(path: str):

@@ -166,10 +166,15 @@ def resident_programs(pool: Pool, fn, args: tuple, meta: dict) -> int:
     the kernel ``fn`` compiled with ``args`` and ``meta`` for one program per SM."""
     if INTERPRETED or pool.device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    props = torch.cuda.get_device_properties(pool.device)
-    sms = props.multi_processor_count
-    meta = dict(meta, G=sms)
-    kern = fn.warmup(*args, grid=(sms,), **meta)
+    sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+    return programs_per_sm(pool.device, fn, args, dict(meta, G=sms)) * sms
+
+
+def programs_per_sm(device: torch.device, fn, args: tuple, meta: dict) -> int:
+    """How many programs of the kernel ``fn`` (compiled with ``args`` and ``meta``, launch options included) are
+    resident on one SM of ``device`` at once: the least of what its registers, shared memory and threads allow."""
+    props = torch.cuda.get_device_properties(device)
+    kern = fn.warmup(*args, grid=(props.multi_processor_count,), **meta)
     try:
         kern._init_handles()                   # loads the module and fills n_regs (Triton 3.x)
         threads = 32 * meta["num_warps"]
@@ -177,10 +182,9 @@ def resident_programs(pool: Pool, fn, args: tuple, meta: dict) -> int:
         smem = kern.metadata.shared
         by_smem = props.shared_memory_per_multiprocessor // smem if smem else by_regs
         by_threads = props.max_threads_per_multi_processor // threads
-        per_sm = max(1, min(by_regs, by_smem, by_threads))
+        return max(1, min(by_regs, by_smem, by_threads))
     except Exception:                          # an API change: one program per SM is always resident
-        per_sm = 1
-    return per_sm * sms
+        return 1
 
 
 def _bound_launch_supported() -> bool:
