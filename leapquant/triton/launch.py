@@ -28,6 +28,9 @@ CHUNK = 1024 if INTERPRETED else 8192
 MIN_ROW_CAPACITY = 1024
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
 INTERPRETER_PROGRAMS = 4
+#: shared memory the CUDA runtime reserves per resident block (sm_80 and newer): a program's share of an SM is its
+#: kernel's own plus this
+RESERVED_SHARED_BYTES = 1024
 
 #: which kernel a GPU call runs: "mma" (the Gluon kernel: tensor-core rank updates, explicit layouts; wherever Triton
 #: ships a validated Gluon and the GPU has mma.sync, sm_80+) or "tl" (the portable kernel: the one the interpreter
@@ -179,8 +182,8 @@ def programs_per_sm(device: torch.device, fn, args: tuple, meta: dict) -> int:
         kern._init_handles()                   # loads the module and fills n_regs (Triton 3.x)
         threads = 32 * meta["num_warps"]
         by_regs = props.regs_per_multiprocessor // (max(kern.n_regs, 1) * threads)
-        smem = kern.metadata.shared
-        by_smem = props.shared_memory_per_multiprocessor // smem if smem else by_regs
+        smem = kern.metadata.shared + RESERVED_SHARED_BYTES
+        by_smem = props.shared_memory_per_multiprocessor // smem
         by_threads = props.max_threads_per_multi_processor // threads
         return max(1, min(by_regs, by_smem, by_threads))
     except Exception:                          # an API change: one program per SM is always resident
