@@ -103,3 +103,35 @@ def test_emulate_products_on_cpu():
     for a, b in zip(exact, compress(S, case.q0)):
         assert torch.equal(a, b)
     assert case.judge(exact, "exact").passed
+
+
+def test_segment_counts_read_a_listing():
+    """tilelang_dev.segment_counts splits an nvdisasm listing at its clock reads, counts each segment's instructions
+    and its backward branches (a loop), and names predicated opcodes by their opcode."""
+    listing = """
+        /*0000*/                   CS2R R2, SR_CLOCKLO ;
+        /*0010*/                   FADD R3, R3, R4 ;
+.L_x_1:
+        /*0020*/               @P0 FMUL R5, R5, R6 ;
+        /*0030*/                   BRA `(.L_x_1) ;
+        /*0040*/                   CS2R R8, SR_CLOCKLO ;
+        /*0050*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0060*/                   CS2R R9, SR_CLOCKLO ;
+"""
+    first, second = tilelang_dev.segment_counts(listing)
+    assert (first["instructions"], first["loops"]) == (4, 1)
+    assert first["ops"]["FMUL"] == 1 and first["ops"]["CS2R"] == 1
+    assert (second["instructions"], second["loops"]) == (2, 0)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+def test_counts_cover_every_segment():
+    """The clock-stamp build compiles without a GPU and has one segment per name clock_segments gives; the rebuild
+    and codes segments carry their tensor-core and packing instructions."""
+    pytest.importorskip("triton")
+    names = kernel.clock_segments(config.FlushConfig(32, "gdn", "sm_90a", 132, clock="phases"))
+    counts = tilelang_dev.segment_counts(tilelang_dev.clock_build_sass("gdn", "sm_90a", 132))
+    assert len(counts) == len(names)
+    seg = dict(zip(names, counts))
+    assert seg["rebuild"]["ops"]["HMMA"] > 0 and seg["codes"]["ops"]["PRMT"] > 0

@@ -4,12 +4,19 @@
     python bench/dev/tilelang_dev.py check [--batches 16 64 256 512]        # the criterion, every family, both gates
     python bench/dev/tilelang_dev.py phases [--batch 256] [--gate kda]      # profiling builds: one phase doubled each
     python bench/dev/tilelang_dev.py ab OLD NEW [--verify kda gdn]          # A/B of kernel versions, one run
+    python bench/dev/tilelang_dev.py counts [--gates kda gdn]               # static instructions per phase (no GPU)
 
 ``phases`` builds variants of the kernel in which one phase runs twice or not at all (a *profiling build*: the
 program loop calls its phases through a ``Phases`` object, :mod:`leapquant.tilelang.kernel`, and a variant replaces
 some; the shipped kernel has no switches), times them like the benchmark (L2-cold, 8 rotated slot sets, CUDA graph
 replay, CUDA events, median), and reports variant - full as the phase's cost. Phases overlap across the two consumer
 groups and with memory traffic, so the differences are an estimate, not an exact partition.
+
+``counts`` compiles the clock-stamp build (``FlushConfig.clock="phases"``, no GPU needed: TileLang and nvcc) and
+counts the SASS instructions between consecutive stamps (each stamp reads SR_CLOCKLO once): the static instructions
+per thread of each segment of the program loop (:func:`leapquant.tilelang.kernel.clock_segments`), with the loops
+(backward branches) in it. A segment whose warps take different branches (the windows: warps 0-3 orthonormalise,
+4-7 stage) counts both paths.
 
 ``ab`` takes kernel generators of several versions: a copy of the package directory leapquant/tilelang/ (e.g.
 ``mkdir OLD && git archive REV leapquant/tilelang | tar -x -C OLD``, then ``OLD/leapquant/tilelang``) or, for
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -283,6 +291,68 @@ def cmd_ab(args) -> int:
     return 0
 
 
+def segment_counts(sass: str) -> list[dict]:
+    """Per segment between consecutive SR_CLOCKLO reads of an nvdisasm listing: {"instructions", "loops" (backward
+    branches), "ops" (a Counter of opcodes)}."""
+    import collections
+    import re
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"^\s*\.(L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,5}\*/\s+(.*?);?\s*(/\*.*)?$", line)
+        if m:
+            ins.append(m.group(1).strip())
+    clocks = [i for i, text in enumerate(ins) if "SR_CLOCKLO" in text]
+    out = []
+    for a, b in zip(clocks, clocks[1:]):
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ins[a:b])
+        loops = 0
+        for i in range(a, b):
+            m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", ins[i])
+            loops += bool(m and labels.get(m.group(1), i + 1) <= i)
+        out.append({"instructions": b - a, "loops": loops, "ops": ops})
+    return out
+
+
+def clock_build_sass(gate: str, arch: str, sms: int) -> str:
+    """The nvdisasm listing of the clock-stamp build for ``gate`` (32 heads), compiled in a child process with its own
+    TileLang cache (where the cubin is found)."""
+    import glob
+    import subprocess
+    import tempfile
+    import triton.backends.nvidia as nv
+    nvdisasm = shutil.which("nvdisasm") or os.path.join(os.path.dirname(nv.__file__), "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as cache:
+        code = ("from leapquant.tilelang import config, kernel; "
+                f"kernel.compile_flush(config.FlushConfig(32, {gate!r}, {arch!r}, {sms}, clock='phases'))")
+        env = dict(os.environ, TILELANG_CACHE_DIR=cache)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+        cubin = glob.glob(os.path.join(cache, "**", "kernel.cubin"), recursive=True)
+        assert len(cubin) == 1, cubin
+        run = subprocess.run([nvdisasm, "-c", cubin[0]], check=True, capture_output=True, text=True)
+    return run.stdout
+
+
+def cmd_counts(args) -> int:
+    from leapquant.tilelang.config import FlushConfig
+    from leapquant.tilelang.kernel import clock_segments
+    for gate in args.gates:
+        names = clock_segments(FlushConfig(32, gate, args.arch, args.sms, clock="phases"))
+        counts = segment_counts(clock_build_sass(gate, args.arch, args.sms))
+        assert len(counts) == len(names), (len(counts), len(names))
+        print(f"\n{gate}, {args.arch}: static SASS instructions per thread between clock stamps\n")
+        print("| segment | instructions | loops | most frequent |\n| --- | --- | --- | --- |")
+        for name, c in zip(names, counts):
+            top = ", ".join(f"{op} {n}" for op, n in c["ops"].most_common(4))
+            print(f"| {name.replace('|', '/')} | {c['instructions']} | {c['loops']} | {top} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -311,7 +381,13 @@ def main() -> int:
     ab.add_argument("--due", nargs="+", default=["all", "sixteenth"])
     ab.add_argument("--repeats", type=int, default=50)
     ab.add_argument("--verify", nargs="*", default=[], help="gates to judge each kernel on first (SPEC criterion)")
+    n = sub.add_parser("counts")
+    n.add_argument("--gates", nargs="+", default=["kda", "gdn"])
+    n.add_argument("--arch", default="sm_90a")
+    n.add_argument("--sms", type=int, default=132)
     args = ap.parse_args()
+    if args.cmd == "counts":
+        return cmd_counts(args)
     if args.cmd == "precompile":
         cmd_precompile(args)
         return 0
