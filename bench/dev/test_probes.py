@@ -106,3 +106,29 @@ print("ok")
     run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent)], capture_output=True,
                          text=True, env=env, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+def test_gluon_warpgroup_b_probe_compiles():
+    """probe_warpgroup_b (issue 28, P1) lowered and assembled for sm_90 in a child Python without the interpreter
+    (Gluon cannot compile under it), on the triton release the Gluon kernels are validated on: the state's rank
+    updates and residual on the tensor cores (4 calls of 32 mma per thread), no local memory uncapped."""
+    import os
+    import subprocess
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.experimental.gluon")
+    from leapquant.triton.launch import GLUON_VALIDATED_TRITON
+    if not triton.__version__.startswith(GLUON_VALIDATED_TRITON):
+        pytest.skip(f"Gluon is validated on triton {', '.join(GLUON_VALIDATED_TRITON)}.x; this is {triton.__version__}")
+    here = Path(__file__).resolve().parent
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import probe_warpgroup_b as p\n"
+            "for gate in ('kda', 'gdn'):\n"
+            "    c = p.static_counts(p.compile_static(90, gate))\n"
+            "    print(gate, c['instructions'], c['mma'], c['local'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", code, str(here)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for line in run.stdout.split("\n"):
+        if line:
+            gate, n, mma, local = line.split()
+            assert int(n) > 0 and int(mma) == 128 and int(local) == 0, line
