@@ -49,6 +49,8 @@ _QMAX = gl.constexpr(float(QMAX))
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=8))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=8))
+#: a K-vector, one channel per thread: per-column values computed once, then spread to the state's columns
+COL1 = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))
 #: [16, 128] tiles as they are copied and built: 8 halves (16 bytes) per thread
 ROWS16 = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0]))
 #: [L, K] window columns, one channel per thread (the decay's product over the later entries runs down it)
@@ -119,7 +121,8 @@ def warpgroup_b_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate
             keys_rev = gl.load(kbuf_ptr + prog * (_L * _K) + jr[:, None] * _K + kw[None, :]).to(gl.float32)
             keys = keys_rev * gl.load(w_ptr + prog * _L + jr)[:, None] * decay
             ubuf_rows = jr
-            g = gl.exp(gl.load(gate_ptr + prog * _K + ks))
+            g = gl.convert_layout(gl.exp(gl.load(gate_ptr + prog * _K + gl.arange(0, _K, layout=COL1))),
+                                  gl.SliceLayout(0, ACC))
         else:
             ubuf_rows = jw
             g = gl.full([_K], 1.0, gl.float32, layout=gl.SliceLayout(0, ACC)) * gl.load(gate_ptr + prog)
@@ -144,8 +147,9 @@ def warpgroup_b_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate
         # ---- residual: E = S - q^T u with the new tokens (q negated exactly) ----
         E = mma_v2(qnT_s.permute([1, 0]).load(A_OP), un_s.load(B_OP), S)
         # ---- scales: s_k from the column means of |E|, then s_v from the row maxima of |E / s_k| ----
-        sk_new = gl.maximum(gl.sqrt(gl.sum(gl.abs(E), 0) / _V), _EPS)
-        x = E * (1.0 / sk_new)[None, :]
+        sk_new = gl.convert_layout(gl.maximum(gl.sqrt(gl.convert_layout(gl.sum(gl.abs(E), 0), COL1) / _V), _EPS),
+                                   gl.SliceLayout(0, ACC))
+        x = E * gl.convert_layout(1.0 / gl.convert_layout(sk_new, COL1), gl.SliceLayout(0, ACC))[None, :]
         sv_new = gl.maximum(gl.max(gl.abs(x), 1), _EPS)
         # ---- codes: round(x 127 / s_v) to nearest even (|x 127 / s_v| <= 127 (1 + 2^-22): no clamp needed) ----
         n = gl.inline_asm_elementwise(_RNI_ASM, "=r,r", [x * (_QMAX / sv_new)[:, None]], dtype=gl.int32,
