@@ -189,23 +189,27 @@ def compile_static(capability: int = 90, gate: str = "kda", num_heads: int = 32,
 
 
 def static_counts(kern, capability: int = 90) -> dict:
-    """SASS instructions of the compiled kernel (all, its mma and local-memory ones), its registers and spilled bytes
-    (ptxas's verbose report of the kernel's PTX), its shared memory."""
+    """SASS instructions of the compiled kernel (nvdisasm's listing of its cubin: all, its mma and local-memory ones),
+    its registers and spilled bytes (ptxas's verbose report of the kernel's PTX), its shared memory."""
     import os
     import subprocess
     import tempfile
     import triton.backends.nvidia as nv
-    ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0]
-           for m in re.finditer(r"^[0-9a-f-]{2}:\S*\t(.*?);", kern.asm["sass"], re.M)]
     arch = f"sm_{capability}" + ("a" if capability >= 90 else "")
+    bin_dir = os.path.join(os.path.dirname(nv.__file__), "bin")
     with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.cubin"), "wb").write(kern.asm["cubin"])
+        listing = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True).stdout
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0]
+               for m in re.finditer(r"^\s+/\*[0-9a-f]{4,5}\*/\s+(.*?)\s*;", listing, re.M)]
         open(os.path.join(d, "k.ptx"), "w").write(kern.asm["ptx"])
-        rep = subprocess.run([os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas"), f"-arch={arch}", "-v",
+        rep = subprocess.run([os.path.join(bin_dir, "ptxas"), f"-arch={arch}", "-v",
                               os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", rep)
     spill = re.search(r"(\d+) bytes spill stores", rep)
-    return {"instructions": len(ops), "local": sum(o in ("LDL", "STL") for o in ops), "mma": ops.count("HMMA"),
+    return {"instructions": len(ops), "local": sum(o in ("LDL", "STL") for o in ops), "mma": ops.count("HMMA") + ops.count("IMMA"),
             "shared": kern.metadata.shared, "registers": int(regs.group(1)) if regs else None,
             "spilled": int(spill.group(1)) if spill else None}
 

@@ -108,10 +108,11 @@ print("ok")
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
-def test_gluon_warpgroup_b_probe_compiles():
-    """probe_warpgroup_b (issue 28, P1) lowered and assembled for sm_90 in a child Python without the interpreter
-    (Gluon cannot compile under it), on the triton release the Gluon kernels are validated on: the state's rank
-    updates and residual on the tensor cores (4 calls of 32 mma per thread), no local memory uncapped."""
+def test_gluon_warpgroup_probes_compile():
+    """probe_warpgroup_b (issue 28, P1) and probe_warpgroup_a (P2) lowered and assembled for sm_90 in a child Python
+    without the interpreter (Gluon cannot compile under it), on the triton release the Gluon kernels are validated on:
+    P1's rank updates and residual on the tensor cores (4 calls of 32 mma per thread), P2's codes products on the int8
+    tensor cores (3 products of 16 mma per thread), no local memory uncapped."""
     import os
     import subprocess
     triton = pytest.importorskip("triton")
@@ -120,15 +121,16 @@ def test_gluon_warpgroup_b_probe_compiles():
     if not triton.__version__.startswith(GLUON_VALIDATED_TRITON):
         pytest.skip(f"Gluon is validated on triton {', '.join(GLUON_VALIDATED_TRITON)}.x; this is {triton.__version__}")
     here = Path(__file__).resolve().parent
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import probe_warpgroup_b as p\n"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import probe_warpgroup_a as a, probe_warpgroup_b as b\n"
             "for gate in ('kda', 'gdn'):\n"
-            "    c = p.static_counts(p.compile_static(90, gate))\n"
-            "    print(gate, c['instructions'], c['mma'], c['local'])\n")
+            "    for name, p, mma in (('b', b, 128), ('a', a, 48)):\n"
+            "        c = p.static_counts(p.compile_static(90, gate))\n"
+            "        print(name + gate, c['instructions'], c['mma'], mma, c['local'])\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", code, str(here)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for line in run.stdout.split("\n"):
-        if line:
-            gate, n, mma, local = line.split()
-            assert int(n) > 0 and int(mma) == 128 and int(local) == 0, line
+    lines = [line.split() for line in run.stdout.split("\n") if line]
+    assert len(lines) == 4, run.stdout
+    for name, n, mma, want, local in lines:
+        assert int(n) > 0 and int(mma) == int(want) and int(local) == 0, name
