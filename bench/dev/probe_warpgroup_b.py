@@ -209,7 +209,8 @@ def static_counts(kern, capability: int = 90) -> dict:
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", rep)
     spill = re.search(r"(\d+) bytes spill stores", rep)
-    return {"instructions": len(ops), "local": sum(o in ("LDL", "STL") for o in ops), "mma": ops.count("HMMA") + ops.count("IMMA"),
+    return {"instructions": len(ops), "local": sum(o in ("LDL", "STL") for o in ops),
+            "mma": ops.count("HMMA") + ops.count("IMMA"),
             "shared": kern.metadata.shared, "registers": int(regs.group(1)) if regs else None,
             "spilled": int(spill.group(1)) if spill else None}
 
@@ -264,7 +265,7 @@ def main() -> int:
     tm.add_argument("--maxnreg", type=int, nargs="*", default=[0])
     args = ap.parse_args()
     if args.cmd == "static":
-        print("| gate | maxnreg | instructions per thread | x 4 warps | HMMA | registers | spilled B | local | shared |")
+        print("| gate | maxnreg | instructions per thread | x 4 warps | mma | registers | spilled B | local | shared |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for gate in ("kda", "gdn"):
             for cap in args.maxnreg:
