@@ -269,7 +269,7 @@ def main() -> int:
         print(check(gate, dev), flush=True)
     bw, _ = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    print("| gate | maxnreg | batch | us | flush bound us |\n| --- | --- | --- | --- | --- |")
+    print("| gate | maxnreg | batch | us | a whole flush's bound us |\n| --- | --- | --- | --- | --- |")
     for gate in ("kda", "gdn"):
         pool = Pool(8 * max(args.batch) + 1, 32, device=dev, gate=gate)
         g = torch.Generator(device=dev).manual_seed(0)
