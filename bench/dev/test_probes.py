@@ -1,5 +1,7 @@
-"""Tests of the CPU probe of the flush redesign (probe_factored.py), on a CPU. Run with
-``python -m pytest -q -p no:cacheprovider bench/dev`` (the shipped suite, tests/, does not import the dev tools)."""
+"""Tests of the flush redesign's probes on a CPU: P0 (probe_factored.py), P3's copy kernel (probe_copy_floor.py,
+under the interpreter) and the Gluon probes P1 / P2 (probe_warpgroup_b.py, probe_warpgroup_a.py: compiled for sm_90
+under the triton release the Gluon kernels are validated on). Run with ``python -m pytest -q -p no:cacheprovider
+bench/dev`` (the shipped suite, tests/, does not import the dev tools)."""
 from __future__ import annotations
 
 import sys
