@@ -24,26 +24,14 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from leapquant.layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
-from leapquant.numerics import CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, K, L, QMAX, R, V
+from leapquant.numerics import CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, K, R, V
 
-from probe_warpgroup_b import static_counts  # noqa: E402  (bench/dev on the path)
+from probe_warpgroup_b import (_CODES_BYTE, _K, _L, _OFF, _QMAX, _R, _REGION_WORDS, _SK_WORD, _SV_WORD,  # noqa: E402
+                               _TOK_HALF, _TOK_ROW, _V, CODES, CODES_SMEM, PLAIN2, WARPS, compile_probe,
+                               print_static)
 
-WARPS = 4
-_V = gl.constexpr(V)
-_K = gl.constexpr(K)
-_L = gl.constexpr(L)
-_R = gl.constexpr(R)
-_TOK_ROW = gl.constexpr(K + V)
-_OFF = gl.constexpr(OFF)
-_REGION_WORDS = gl.constexpr(REGION_WORDS)
-_CODES_BYTE = gl.constexpr(CODES_BYTE)
-_SK_WORD = gl.constexpr(SK_BYTE // 4)
-_SV_WORD = gl.constexpr(SV_BYTE // 4)
-_TOK_HALF = gl.constexpr(TOK_BYTE // 2)
-_QMAX = gl.constexpr(float(QMAX))
 _REL_FLOOR = gl.constexpr(CHOLQR_RELATIVE_FLOOR)
 _ABS_FLOOR = gl.constexpr(CHOLQR_ABS_FLOOR)
 _DIGIT_EXP = gl.constexpr(127 + 26)
@@ -56,9 +44,6 @@ ROW16 = gl.constexpr(gl.BlockedLayout([1, 16], [32, 1], [WARPS, 1], [1, 0]))
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=16))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=16))
-CODES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
-CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 _KSTEP = gl.constexpr(64)
 
 
@@ -271,22 +256,8 @@ SIGNATURE = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr"
 
 
 def compile_static(capability: int = 90, gate: str = "kda", num_heads: int = 32, maxnreg: int | None = None):
-    """The kernel compiled for compute capability ``capability`` without a GPU. Returns Triton's compiled kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    sig = dict(SIGNATURE, gbuf_ptr="*fp16" if gate == "kda" else "*fp32")
-    names = list(sig)
-    assert names == list(warpgroup_a_kernel.arg_names), warpgroup_a_kernel.arg_names
-    const = {"H": num_heads, "IS_KDA": gate == "kda"}
-    aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") and n != "idx_ptr"]
-    src = GluonASTSource(fn=warpgroup_a_kernel, signature=sig,
-                         constexprs={(names.index(k),): v for k, v in const.items()},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    opts = dict(num_warps=WARPS, num_stages=1)
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts)
+    """P2's kernel compiled for ``capability`` without a GPU (probe_warpgroup_b.compile_probe)."""
+    return compile_probe(warpgroup_a_kernel, SIGNATURE, capability, gate, num_heads, maxnreg)
 
 
 def launch(pool, idx, q0, tok_out, maxnreg: int | None = None) -> None:
@@ -337,13 +308,7 @@ def main() -> int:
     tm.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     if args.cmd == "static":
-        print("| gate | maxnreg | instructions per thread | x 4 warps | registers | spilled B | local | shared |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-        for gate in ("kda", "gdn"):
-            for cap in args.maxnreg:
-                c = static_counts(compile_static(args.capability, gate, maxnreg=cap or None), args.capability)
-                print(f"| {gate} | {cap or 'none'} | {c['instructions']} | {4 * c['instructions']} | "
-                      f"{c['registers']} | {c['spilled']} | {c['local']} | {c['shared']} |")
+        print_static(compile_static, args.capability, args.maxnreg)
         return 0
     import torch
     from leapquant.bench import _percentile, slot_sets, time_calls_kernel

@@ -27,23 +27,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from leapquant.layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
-from leapquant.numerics import EPS, K, L, QMAX, R, V
+from leapquant.numerics import EPS, K, L, R, V
+# the pool's geometry as the step kernel names it for Gluon (one definition: leapquant.layout, leapquant.numerics)
+from leapquant.triton.gluon_step_kernel import (_CODES_BYTE, _K, _L, _OFF, _QMAX, _R, _REGION_WORDS, _SK_WORD,  # noqa
+                                                _SV_WORD, _TOK_HALF, _TOK_ROW, _V)
 
 WARPS = 4
-_V = gl.constexpr(V)
-_K = gl.constexpr(K)
-_L = gl.constexpr(L)
-_R = gl.constexpr(R)
-_TOK_ROW = gl.constexpr(K + V)
-_OFF = gl.constexpr(OFF)
-_REGION_WORDS = gl.constexpr(REGION_WORDS)
-_CODES_BYTE = gl.constexpr(CODES_BYTE)
-_SK_WORD = gl.constexpr(SK_BYTE // 4)
-_SV_WORD = gl.constexpr(SV_BYTE // 4)
-_TOK_HALF = gl.constexpr(TOK_BYTE // 2)
 _EPS = gl.constexpr(float(EPS))
-_QMAX = gl.constexpr(float(QMAX))
 
 #: the state [V, K]: mma accumulators, warp w holding rows 16 w .. 16 w + 15 and 64 + 16 w .., all columns
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
@@ -164,24 +154,29 @@ SIGNATURE = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr"
              "num_slots": "i32", "SS": "i32", "H": "constexpr", "IS_KDA": "constexpr"}
 
 
-def compile_static(capability: int = 90, gate: str = "kda", num_heads: int = 32, maxnreg: int | None = None):
-    """The kernel compiled for compute capability ``capability`` without a GPU (Triton's compiler and ptxas), with
-    16-byte aligned pool and window pointers. Returns Triton's compiled-kernel object."""
+def compile_probe(fn, signature: dict, capability: int, gate: str, num_heads: int, maxnreg: int | None):
+    """The Gluon probe kernel ``fn`` (arguments ``signature``, then the constexprs H and IS_KDA) compiled for compute
+    capability ``capability`` without a GPU (Triton's compiler and ptxas), with 16-byte aligned pool and window
+    pointers (idx not). Returns Triton's compiled-kernel object."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    sig = dict(SIGNATURE, gbuf_ptr="*fp16" if gate == "kda" else "*fp32")
+    sig = dict(signature, gbuf_ptr="*fp16" if gate == "kda" else "*fp32")
     names = list(sig)
-    assert names == list(warpgroup_b_kernel.arg_names), warpgroup_b_kernel.arg_names
+    assert names == list(fn.arg_names), fn.arg_names
     const = {"H": num_heads, "IS_KDA": gate == "kda"}
     aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") and n != "idx_ptr"]
-    src = GluonASTSource(fn=warpgroup_b_kernel, signature=sig,
-                         constexprs={(names.index(k),): v for k, v in const.items()},
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     opts = dict(num_warps=WARPS, num_stages=1)
     if maxnreg:
         opts["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts)
+
+
+def compile_static(capability: int = 90, gate: str = "kda", num_heads: int = 32, maxnreg: int | None = None):
+    """P1's kernel compiled for ``capability`` without a GPU (:func:`compile_probe`)."""
+    return compile_probe(warpgroup_b_kernel, SIGNATURE, capability, gate, num_heads, maxnreg)
 
 
 def static_counts(kern, capability: int = 90) -> dict:
@@ -209,6 +204,17 @@ def static_counts(kern, capability: int = 90) -> dict:
             "mma": ops.count("HMMA") + ops.count("IMMA"),
             "shared": kern.metadata.shared, "registers": int(regs.group(1)) if regs else None,
             "spilled": int(spill.group(1)) if spill else None}
+
+
+def print_static(compile_fn, capability: int, caps) -> None:
+    """The ``static`` table of a probe: ``compile_fn(capability, gate, maxnreg=...)`` for both gates and each cap."""
+    print("| gate | maxnreg | instructions per thread | x 4 warps | mma | registers | spilled B | local | shared |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for gate in ("kda", "gdn"):
+        for cap in caps:
+            c = static_counts(compile_fn(capability, gate, maxnreg=cap or None), capability)
+            print(f"| {gate} | {cap or 'none'} | {c['instructions']} | {4 * c['instructions']} | {c['mma']} | "
+                  f"{c['registers']} | {c['spilled']} | {c['local']} | {c['shared']} |")
 
 
 def launch(pool, idx, tok_new, maxnreg: int | None = None) -> None:
@@ -253,13 +259,7 @@ def main() -> int:
     tm.add_argument("--maxnreg", type=int, nargs="*", default=[0])
     args = ap.parse_args()
     if args.cmd == "static":
-        print("| gate | maxnreg | instructions per thread | x 4 warps | mma | registers | spilled B | local | shared |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for gate in ("kda", "gdn"):
-            for cap in args.maxnreg:
-                c = static_counts(compile_static(args.capability, gate, maxnreg=cap or None), args.capability)
-                print(f"| {gate} | {cap or 'none'} | {c['instructions']} | {4 * c['instructions']} | {c['mma']} | "
-                      f"{c['registers']} | {c['spilled']} | {c['local']} | {c['shared']} |")
+        print_static(compile_static, args.capability, args.maxnreg)
         return 0
     import torch
     from leapquant.bench import _percentile, copy_bandwidth, slot_sets, time_calls_kernel

@@ -126,7 +126,7 @@ def test_gluon_warpgroup_probes_compile():
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import probe_warpgroup_a as a, probe_warpgroup_b as b\n"
             "for gate in ('kda', 'gdn'):\n"
             "    for name, p, mma in (('b', b, 128), ('a', a, 48)):\n"
-            "        c = p.static_counts(p.compile_static(90, gate))\n"
+            "        c = b.static_counts(p.compile_static(90, gate))\n"
             "        print(name + gate, c['instructions'], c['mma'], mma, c['local'])\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
