@@ -19,7 +19,6 @@ Dev tool: python bench/dev/probe_warpgroup_a.py static [--capability 90] | time 
 bench/dev/test_probes.py compiles it for sm_90."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 from triton.experimental import gluon
@@ -28,9 +27,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from leapquant.numerics import CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, K, R, V
 
-from probe_warpgroup_b import (_CODES_BYTE, _K, _L, _OFF, _QMAX, _R, _REGION_WORDS, _SK_WORD, _SV_WORD,  # noqa: E402
-                               _TOK_HALF, _TOK_ROW, _V, CODES, CODES_SMEM, PLAIN2, WARPS, compile_probe,
-                               print_static)
+from probe_warpgroup_b import (_CODES_BYTE, _K, _L, _QMAX, _R, _SK_WORD, _SV_WORD,  # noqa: E402
+                               _TOK_HALF, _TOK_ROW, _V, _RNI_ASM, CODES, CODES_SMEM, PLAIN2, WARPS, _mul,
+                               _program, compile_probe, print_static, probe_args)
 
 _REL_FLOOR = gl.constexpr(CHOLQR_RELATIVE_FLOOR)
 _ABS_FLOOR = gl.constexpr(CHOLQR_ABS_FLOOR)
@@ -67,7 +66,7 @@ def _digits4(x0, x1, x2, x3):
         first = gl.minimum(shift, 127)
         xs = x * ((first + 127) << 23).to(gl.float32, bitcast=True) * ((shift - first + 127) << 23).to(
             gl.float32, bitcast=True)
-        n = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [xs], dtype=gl.int32, is_pure=True, pack=1)
+        n = gl.inline_asm_elementwise(_RNI_ASM, "=r,r", [xs], dtype=gl.int32, is_pure=True, pack=1)
         d3, n = _balanced(n)
         d2, n = _balanced(n)
         d1, d0 = _balanced(n)
@@ -189,13 +188,8 @@ def warpgroup_a_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate
                        idx_ptr, num_slots, SS, H: gl.constexpr, IS_KDA: gl.constexpr):
     """Program row * H + head of the grid (N * H,): the new tokens of that program (every program due) to
     ``tok_out_ptr`` fp16 [N, H, R, K + V] (u | q rows). q0 fp32 [V, R]."""
-    pid = gl.program_id(0)
-    row = (pid // H).to(gl.int64)
-    head = (pid % H).to(gl.int64)
-    slot = gl.load(idx_ptr + row).to(gl.int64)
-    if (slot > 0) & (slot < num_slots):
-        prog = slot * H + head
-        region = gl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, 16)
+    pid, head, slot, valid, prog, region = _program(idx_ptr, num_slots, SS, H)
+    if valid:
         raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
         # ---- staging: the codes and their transpose in shared memory, the rest a row or column per thread ----
         c_s = gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM)
@@ -243,11 +237,6 @@ def warpgroup_a_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate
             qr = q0n if r == 0 else (q1n if r == 1 else (q2n if r == 2 else q3n))
             gl.store(out + r * _TOK_ROW + t, gl.minimum(gl.maximum(er, -65504.0), 65504.0).to(gl.float16))
             gl.store(out + r * _TOK_ROW + _K + t, qr.to(gl.float16))
-
-
-@gluon.jit
-def _mul(a, b):
-    return a * b
 
 
 SIGNATURE = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
@@ -298,15 +287,7 @@ def check(gate: str, dev) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("static")
-    st.add_argument("--capability", type=int, default=90)
-    st.add_argument("--maxnreg", type=int, nargs="*", default=[0])
-    tm = sub.add_parser("time")
-    tm.add_argument("--batch", nargs="+", type=int, default=[64, 256])
-    tm.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
+    args = probe_args([64, 256])
     if args.cmd == "static":
         print_static(compile_static, args.capability, args.maxnreg)
         return 0
@@ -317,15 +298,17 @@ def main() -> int:
     dev = torch.device("cuda")
     for gate in ("kda", "gdn"):
         print(check(gate, dev), flush=True)
-    print("| gate | batch | us |\n| --- | --- | --- |")
+    print("| gate | maxnreg | batch | us |\n| --- | --- | --- | --- |")
     q0 = default_q0(dev)
     for gate in ("kda", "gdn"):
         pool = Pool(8 * max(args.batch) + 1, 32, device=dev, gate=gate)
         for batch in args.batch:
             idx = [s.to(torch.int32) for s in slot_sets(8, batch, 0, dev)]
             out = torch.empty((batch, 32, R, K + V), dtype=torch.float16, device=dev)
-            samples, _ = time_calls_kernel(lambda s: launch(pool, idx[s], q0, out), 8, args.repeats, dev)
-            print(f"| {gate} | {batch} | {_percentile(samples, 50):.1f} |", flush=True)
+            for cap in args.maxnreg:
+                samples, _ = time_calls_kernel(lambda s: launch(pool, idx[s], q0, out, cap or None), 8, args.repeats,
+                                               dev)
+                print(f"| {gate} | {cap or 'none'} | {batch} | {_percentile(samples, 50):.1f} |", flush=True)
         pool = None  # noqa: F841
         torch.cuda.empty_cache()
     return 0

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from leapquant.numerics import EPS, K, L, R, V
 # the pool's geometry as the step kernel names it for Gluon (one definition: leapquant.layout, leapquant.numerics)
 from leapquant.triton.gluon_step_kernel import (_CODES_BYTE, _K, _L, _OFF, _QMAX, _R, _REGION_WORDS, _SK_WORD,  # noqa
-                                                _SV_WORD, _TOK_HALF, _TOK_ROW, _V)
+                                                _SV_WORD, _TOK_HALF, _TOK_ROW, _V, _mul)
 
 WARPS = 4
 _EPS = gl.constexpr(float(EPS))
@@ -53,8 +53,14 @@ _RNI_ASM = gl.constexpr("cvt.rni.s32.f32 $0, $1;")
 
 
 @gluon.jit
-def _mul(a, b):
-    return a * b
+def _program(idx_ptr, num_slots, SS, H: gl.constexpr):
+    """(pid, head, slot, valid, prog, region) of program ``pid`` = row * H + head of the grid (N * H,): valid where
+    its row holds a sequence (0 < slot < num_slots); prog = slot * H + head; region its region's first word."""
+    pid = gl.program_id(0)
+    head = (pid % H).to(gl.int64)
+    slot = gl.load(idx_ptr + (pid // H).to(gl.int64)).to(gl.int64)
+    region = gl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, 16)
+    return pid, head, slot, (slot > 0) & (slot < num_slots), slot * H + head, region
 
 
 @gluon.jit
@@ -72,13 +78,8 @@ def warpgroup_b_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate
                        num_slots, SS, H: gl.constexpr, IS_KDA: gl.constexpr):
     """Program row * H + head of the grid (N * H,): B's share of the flush of that program (every program due).
     ``tok_new_ptr`` fp16 [N, H, R, K + V]: the new tokens (u | q rows), as warpgroup A would hand them over."""
-    pid = gl.program_id(0)
-    row = (pid // H).to(gl.int64)
-    head = (pid % H).to(gl.int64)
-    slot = gl.load(idx_ptr + row).to(gl.int64)
-    if (slot > 0) & (slot < num_slots):
-        prog = slot * H + head
-        region = gl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, 16)
+    pid, head, slot, valid, prog, region = _program(idx_ptr, num_slots, SS, H)
+    if valid:
         raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
         codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM)
         rv = gl.arange(0, _V, layout=gl.SliceLayout(1, CODES))
@@ -247,17 +248,23 @@ def check(gate: str, dev) -> str:
     return f"{gate}: {'PASS' if v.passed else 'FAIL'}, worst head {v.worst_score:.4f} of its bound :: {v.message}"
 
 
-def main() -> int:
+def probe_args(batches: list[int]) -> argparse.Namespace:
+    """A probe's command line: ``static [--capability C] [--maxnreg N ...]`` or ``time [--batch B ...] [--repeats R]
+    [--maxnreg N ...]`` (register caps, 0: none)."""
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("static")
     st.add_argument("--capability", type=int, default=90)
-    st.add_argument("--maxnreg", type=int, nargs="*", default=[0])
     tm = sub.add_parser("time")
-    tm.add_argument("--batch", nargs="+", type=int, default=[64, 256, 512])
+    tm.add_argument("--batch", nargs="+", type=int, default=batches)
     tm.add_argument("--repeats", type=int, default=30)
-    tm.add_argument("--maxnreg", type=int, nargs="*", default=[0])
-    args = ap.parse_args()
+    for p in (st, tm):
+        p.add_argument("--maxnreg", type=int, nargs="*", default=[0])
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = probe_args([64, 256, 512])
     if args.cmd == "static":
         print_static(compile_static, args.capability, args.maxnreg)
         return 0
