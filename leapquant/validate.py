@@ -6,7 +6,8 @@ until one of them is replaced, idx and q0 on every call. The *values* of idx (ra
 copy, so they are checked only when asked: ``flush_inplace(..., check_idx=True)`` or ``LEAPQUANT_CHECK_IDX=1``
 (a debugging switch; it cannot be used while a CUDA graph is being captured). Without it the kernels skip every row
 whose slot is outside ``[1, num_slots)`` (``idx <= 0`` is how engines pad: vLLM with -1, SGLang with 0); a slot that
-appears twice in one call is a caller error the unchecked path does not detect.
+appears twice in one call is a caller error the unchecked path does not detect, and so is a step of a program whose
+full window no flush has folded (the switch checks that too, for the step).
 """
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import weakref
 import torch
 
 from .layout import (FIELDS, GATES, K, L, R, V, Pool, check_dense, check_tensor, raw_words)
+from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
 CHECK_IDX_ENV = "LEAPQUANT_CHECK_IDX"
 CHECK_IDX: bool = os.environ.get(CHECK_IDX_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
-#: per pool, the buffer objects last found valid (held, so that no new tensor can take a checked one's identity):
-#: a pool is re-checked only when one of its buffers is replaced
-_CHECKED: "weakref.WeakKeyDictionary[Pool, tuple]" = weakref.WeakKeyDictionary()
+#: per pool, the buffer objects last found valid (held, so that no new tensor can take a checked one's identity) and
+#: their byte spans by name: a pool is re-checked only when one of its buffers is replaced
+_CHECKED: "weakref.WeakKeyDictionary[Pool, tuple[tuple, dict[str, tuple[int, int]]]]" = weakref.WeakKeyDictionary()
 
 
 def _capturing(device: torch.device) -> bool:
@@ -49,7 +51,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     if num_heads is not None and pool.num_heads != num_heads:
         raise ValueError(f"pool: num_heads mismatch: the pool has {pool.num_heads}, the call expects {num_heads}")
     key = _buffers(pool)
-    if _same(_CHECKED.get(pool), key):
+    if _same(_CHECKED.get(pool, (None,))[0], key):
         return pool
     NS, H, dev = pool.num_slots, pool.num_heads, pool.device
     check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev)
@@ -58,8 +60,19 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev)
     if pool.codes.untyped_storage().data_ptr() != pool.raw.untyped_storage().data_ptr():
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
-    _CHECKED[pool] = key
+    names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
+    _CHECKED[pool] = (key, {f"pool.{n}": _byte_span(t) for n, t in zip(names, key)})
     return pool
+
+
+def _pool_spans(pool: Pool) -> dict[str, tuple[int, int]]:
+    """The byte spans of a checked pool's buffers, by name."""
+    return _CHECKED[pool][1]
+
+
+def _want_idx_values(check_idx: object) -> bool:
+    """Whether to check idx's values: ``check_idx`` (a bool) where given, else the environment switch."""
+    return CHECK_IDX if check_idx is None else check_flag("check_idx", check_idx)
 
 
 def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:
@@ -75,6 +88,45 @@ def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:
     live = idx[idx > 0]
     if torch.unique(live).numel() != live.numel():
         raise ValueError("idx: a slot appears more than once (each sequence owns one slot)")
+
+
+def check_windows_folded(pool: Pool, idx: torch.Tensor) -> None:
+    """(Host-synchronising, with the idx value checks.) No program a step is about to serve is due with a window the
+    flush has not folded: its fill count L reads as "just flushed, empty", so the step would drop the window's
+    updates. The flush (or decode_inplace, which runs it) must come between the step that fills a window and the
+    next."""
+    slots = idx[(idx > 0) & (idx < pool.num_slots)].long()
+    if not slots.numel():
+        return
+    gate = dict(pcum=pool.pcum[slots]) if pool.gate == "kda" else dict(p=pool.p[slots])
+    unfolded = (pool.hcnt[slots] == L) & ~empty_window(pool.w[slots], **gate)
+    if bool(unfolded.any()):
+        row, head = unfolded.nonzero()[0].tolist()
+        raise ValueError(f"idx: slot {int(slots[row])}, head {head} is due (fill count {L}) with a window the flush "
+                         f"has not folded; run flush_inplace before its next step (decode_inplace does both)")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses that ``t``'s elements occupy (an empty tensor: an empty span)."""
+    n = t.numel()
+    if n == 0:
+        return 0, 0
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + n * t.element_size()
+    last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()) if size > 1)
+    return start, start + (last + 1) * t.element_size()
+
+
+def _first_overlap(x: torch.Tensor, others: dict[str, tuple[int, int]]) -> str | None:
+    """The name of the first span in ``others`` that intersects ``x``'s bytes (all on one device: a device's
+    allocations never share addresses, so intersecting spans are shared memory; two interleaved views whose spans
+    intersect count as overlapping), or None."""
+    a0, a1 = _byte_span(x)
+    for name, (b0, b1) in others.items():
+        if a0 < b1 and b0 < a1:
+            return name
+    return None
 
 
 def _is_tensor(name: str, t: object) -> torch.Tensor:
@@ -105,7 +157,7 @@ def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | No
     pool = check_pool(pool)
     idx = _check_idx(pool, idx)
     check_dense("q0", q0, (V, R), torch.float32, pool.device)
-    if CHECK_IDX if check_idx is None else check_idx:
+    if _want_idx_values(check_idx):
         check_idx_values(pool, idx)
     return pool
 
@@ -178,20 +230,24 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
-def _key_heads(gate: str, num_heads: int, num_k_heads: object, derived: int | None, source: str) -> int:
-    """The key-head count Hk: ``num_k_heads`` where given (it must then equal ``derived``, what ``source`` implies,
-    when that is known), else ``derived``; KDA has one key head per head, GDN any Hk dividing H (GQA)."""
+def _key_heads(gate: str, num_heads: int, num_k_heads: object, derived: int | None, arg: str, source: str) -> int:
+    """The key-head count Hk: ``num_k_heads`` where given (it must then equal ``derived``, what ``source``, a property
+    of argument ``arg``, implies, when that is known), else ``derived``; KDA has one key head per head, GDN any Hk
+    dividing H (GQA)."""
     if num_k_heads is not None:
         if isinstance(num_k_heads, bool) or not isinstance(num_k_heads, int) or num_k_heads < 1:
             raise ValueError(f"num_k_heads: expected a positive int or None, got {num_k_heads!r}")
         if derived is not None and derived != num_k_heads:
-            raise ValueError(f"num_k_heads: {num_k_heads} disagrees with {source} ({derived} key heads)")
+            raise ValueError(f"num_k_heads: {num_k_heads} disagrees with {arg}: {source} gives {derived} key heads")
         hk = num_k_heads
     elif derived is not None:
         hk = derived
     else:
-        raise ValueError(f"{source}: cannot tell the number of key heads; pass num_k_heads")
+        raise ValueError(f"{arg}: {source} does not tell the number of key heads; pass num_k_heads")
     if gate == "kda" and hk != num_heads:
+        if num_k_heads is None:             # the count came from the input's shape: the input is what is wrong
+            raise ValueError(f"{arg}: {source} gives {hk} key heads, but KDA has one key head per head "
+                             f"({num_heads})")
         raise ValueError(f"num_k_heads: KDA has one key head per head ({num_heads}), got {hk}")
     if num_heads % hk:
         raise ValueError(f"num_k_heads: the {num_heads} heads must split evenly over the key heads, got {hk}")
@@ -217,7 +273,7 @@ def check_step_args(pool: object, idx: object, qkv: object, a: object, b: object
     derived = rest // (2 * K) if rest > 0 and rest % (2 * K) == 0 else None
     if num_k_heads is None and derived is None:
         raise ValueError(f"qkv: width {width} is not 2 Hk K + H V = 2 Hk * {K} + {H * V} for any key-head count Hk")
-    hk = _key_heads(gate, H, num_k_heads, derived, f"qkv's width {width}")
+    hk = _key_heads(gate, H, num_k_heads, derived, "qkv", f"its width {width}")
     if width != 2 * hk * K + H * V:
         raise ValueError(f"qkv: expected width 2 Hk K + H V = {2 * hk * K + H * V} (Hk = {hk}), got {width}")
     if qkv.device != dev:
@@ -241,9 +297,16 @@ def check_step_args(pool: object, idx: object, qkv: object, a: object, b: object
         out = _meta("out", out, torch.bfloat16, (N, H, V), "N, H, V", dev, "the pool's")
         if not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
+        # the step reads every input while it writes out (the kernels' programs in any order): out may not overlap any
+        shared = _first_overlap(out, {"idx": _byte_span(idx), "qkv": _byte_span(qkv), "a": _byte_span(a),
+                                      "b": _byte_span(b), "A_log": _byte_span(A_log),
+                                      "dt_bias": _byte_span(dt_bias), **_pool_spans(pool)})
+        if shared is not None:
+            raise ValueError(f"out: shares memory with {shared} (the step reads it while it writes out)")
     check_flag("beta_bf16", beta_bf16)
-    if CHECK_IDX if check_idx is None else check_idx:
+    if _want_idx_values(check_idx):
         check_idx_values(pool, idx)
+        check_windows_folded(pool, idx)
     return hk
 
 
@@ -255,7 +318,7 @@ def check_step_run_args(gate: str, args: dict[str, object], num_k_heads: object)
     qx = _is_tensor("qx", args["qx"])
     if qx.dim() != 3:
         raise ValueError(f"qx: expected a bf16 tensor [B, Hk, {K}], got shape {tuple(qx.shape)}")
-    hk = _key_heads(gate, H, num_k_heads, qx.shape[1], "qx's shape")
+    hk = _key_heads(gate, H, num_k_heads, qx.shape[1], "qx", "its shape")
     spec = {
         "codes": ((B, H, V, K), torch.int8, "B, H, V, K"), "s_k": ((B, H, K), torch.float32, "B, H, K"),
         "s_v": ((B, H, V), torch.float32, "B, H, V"), "u": ((B, H, R, K), torch.float16, "B, H, R, K"),

@@ -70,8 +70,9 @@ W = 2 * H * K + H * V
     (dict(out=torch.empty(N, V, H, dtype=torch.bfloat16).transpose(1, 2)), "out: expected a contiguous tensor"),
     (dict(num_k_heads=0), "num_k_heads: expected a positive int"),
     (dict(num_k_heads=True), "num_k_heads: expected a positive int"),
-    (dict(num_k_heads=2), "num_k_heads: 2 disagrees with qkv's width"),
+    (dict(num_k_heads=2), "num_k_heads: 2 disagrees with qkv: its width"),
     (dict(beta_bf16=1), "beta_bf16: expected a bool"),
+    (dict(check_idx="no"), "check_idx: expected a bool"),
     (dict(idx=torch.tensor([1, 5, 3], dtype=torch.int32), check_idx=True), "idx: slots must be < num_slots = 5"),
     (dict(idx=torch.tensor([3, -1, 3], dtype=torch.int32), check_idx=True), "idx: a slot appears more than once"),
 ])
@@ -87,12 +88,68 @@ def test_gate_specific_shapes(pool):
                          a=torch.zeros(N, K, H, dtype=torch.bfloat16).transpose(1, 2))
         # KDA has one key head per head: a GQA-shaped row is refused
         args = good_args("gdn", hk=2)
-        _expect_rejected(pool, "num_k_heads: KDA has one key head per head", qkv=args["qkv"])
+        _expect_rejected(pool, r"qkv: its width 1024 gives 2 key heads, but KDA has one key head per head \(4\)",
+                         qkv=args["qkv"])
+        _expect_rejected(pool, "num_k_heads: KDA has one key head per head", qkv=args["qkv"], num_k_heads=2)
     else:
         _expect_rejected(pool, r"a: expected shape \(N, H\)", a=torch.zeros(N, H, K, dtype=torch.bfloat16))
         _expect_rejected(pool, r"dt_bias: expected shape \(H\)", dt_bias=torch.zeros(H, K))
         # 3 key heads do not divide 4 value heads
         _expect_rejected(pool, "must split evenly", qkv=torch.zeros(N, 2 * 3 * K + H * V, dtype=torch.bfloat16))
+
+
+def _sharing(base: torch.Tensor, n: int, offset: int) -> torch.Tensor:
+    """n bf16 elements of ``base``'s storage from element ``offset`` on."""
+    return base.reshape(-1)[offset:offset + n]
+
+
+@pytest.mark.parametrize("what", ["qkv", "a", "b", "pool.ubuf", "pool.raw"])
+def test_out_may_not_share_memory_with_what_the_step_reads(pool, what):
+    """out written while the step reads qkv, a, b or the pool (by the kernels' programs in any order) would make
+    the result depend on that order: a shared byte is refused before anything is written."""
+    args = good_args(pool.gate)
+    n_out = N * H * V
+    if what in ("qkv", "a", "b"):
+        base = torch.zeros(n_out + args[what].numel(), dtype=torch.bfloat16)
+        view = _sharing(base, args[what].numel(), n_out - 1).view(args[what].shape)   # one element in common
+        view.copy_(args[what])
+        changes = {what: view, "out": _sharing(base, n_out, 0).view(N, H, V)}
+    elif what == "pool.ubuf":
+        changes = {"out": _sharing(pool.ubuf, n_out, 0).view(N, H, V)}
+    else:
+        changes = {"out": pool.raw.view(torch.bfloat16)[:n_out].view(N, H, V)}
+    _expect_rejected(pool, f"out: shares memory with {what}", **changes)
+
+
+def test_out_next_to_an_input_is_accepted(pool):
+    """Adjacent, not overlapping: one buffer holding out and then qkv (an engine's arena) is fine."""
+    args = good_args(pool.gate)
+    n_out = N * H * V
+    base = torch.zeros(n_out + args["qkv"].numel(), dtype=torch.bfloat16)
+    qkv = _sharing(base, args["qkv"].numel(), n_out).view(args["qkv"].shape)
+    qkv.copy_(args["qkv"])
+    out = _sharing(base, n_out, 0).view(N, H, V)
+    lq.step_inplace(pool, args["idx"], qkv, args["a"], args["b"], args["A_log"], args["dt_bias"], out,
+                    backend="reference")
+    assert not bool(out[1].any()), "the padding row's output"
+
+
+def test_a_step_before_the_flush_is_caught_by_the_idx_checks(pool):
+    """A full window that no flush has folded reads as "just flushed, empty" to the next step, which would drop it:
+    the host-synchronising checks (check_idx) name the program; the unchecked path is the caller's contract."""
+    args = good_args(pool.gate)
+    pool.hcnt[[1, 3]] = 3                                # the rows' programs mid-window (the noise has full ones)
+    pool.hcnt[3, 2] = L
+    pool.w[3, 2] = 0.5
+    _expect_rejected(pool, f"idx: slot 3, head 2 is due \\(fill count {L}\\) with a window the flush has not folded",
+                     check_idx=True)
+    pool.w[3, 2] = 0.0                                   # folded: every weight 0 and no decay
+    if pool.gate == "kda":
+        pool.pcum[3, 2] = 0.0
+    else:
+        pool.p[3, 2] = 1.0
+    lq.step_inplace(pool, args["idx"], args["qkv"], args["a"], args["b"], args["A_log"], args["dt_bias"],
+                    args["out"], check_idx=True)
 
 
 def test_not_a_pool():
@@ -139,7 +196,7 @@ def test_functional_form_names_the_bad_argument(gate):
         with pytest.raises(ValueError, match=match):
             fn(*bad_args)
     if gate == "gdn":
-        with pytest.raises(ValueError, match="num_k_heads: 4 disagrees with qx's shape"):
+        with pytest.raises(ValueError, match="num_k_heads: 4 disagrees with qx: its shape"):
             fn(*args, num_k_heads=4)
     with pytest.raises(ValueError, match="beta_bf16: expected a bool"):
         fn(*args, beta_bf16=None)
