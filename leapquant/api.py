@@ -188,7 +188,8 @@ def step(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Ten
     The checkpoint: codes int8 [B, H, V, K], s_k fp32 [B, H, K], s_v fp32 [B, H, V], u fp16 [B, H, R, K], q fp16
     [B, H, R, V]. The window: kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32
     [B, H, L], pcum fp32 [B, H, K], the fill count h int32 [B, H] in [0, L] (L: just flushed, read as 0; entries at
-    and past h are ignored). The token: qx, kx bf16 [B, H, K], vx bf16 [B, H, V], a bf16 [B, H, K], b bf16 [B, H];
+    and past h do not enter the result, but every value must lie in the window's domain: the form stores them
+    through :meth:`Pool.write_window`, which checks them). The token: qx, kx bf16 [B, H, K], vx bf16 [B, H, V], a bf16 [B, H, K], b bf16 [B, H];
     A_log fp32 [H], dt_bias fp32 [H, K]. beta_bf16: as :func:`step_inplace`.
 
     Returns fresh ``(o bf16 [B, H, V], k_row bf16 [B, H, K], u_row bf16 [B, H, V], g_row fp16 [B, H, K], w_new fp32

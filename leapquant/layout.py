@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from .numerics import EPS, FP16_MAX, K, L, QMAX, R, V  # noqa: F401  (the math's sizes and constants, re-exported)
-from .reference import compress, decode_checkpoint, default_q0, rebuild
+from .reference import compress, decode_checkpoint, default_q0, pool_writes, rebuild
 
 DEFAULT_HEADS = 32
 GATES = ("kda", "gdn")
@@ -219,6 +219,24 @@ def _slot_number(x: object, position: int, name: str = "slots") -> int:
     raise ValueError(f"{name}: expected integer slot numbers, got {x!r} at position {position}")
 
 
+def _pool_device(device: object) -> torch.device:
+    """``device`` as the pool's tensors will report it: ``cpu:0`` is ``cpu``, ``cuda`` gets the current device's index;
+    a device torch cannot name, or a CUDA device torch does not find, raises a ``ValueError``."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {e}") from None
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if d.index is None and count:
+            d = torch.device("cuda", torch.cuda.current_device())
+        if d.index is None or d.index >= count:
+            raise ValueError(f"device: {device!r}, but torch {torch.__version__} finds {count} CUDA device(s)")
+    return d
+
+
 class Pool:
     """Caller-owned slot pool: the checkpoints in one flat fp32 buffer, the windows in dense tensors.
 
@@ -260,10 +278,9 @@ class Pool:
         if unknown:
             raise ValueError(f"unknown buffers for gate {gate!r}: {sorted(unknown)}")
         if device is None:
-            device = buffers["raw"].device if "raw" in buffers else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            raw = buffers.get("raw")
+            device = raw.device if isinstance(raw, torch.Tensor) else "cpu"
+        self.device = _pool_device(device)
         self.num_slots, self.num_heads, self.gate = num_slots, num_heads, gate
         NS, H = num_slots, num_heads
         self.slot_stride = slot_stride(H)
@@ -327,6 +344,8 @@ class Pool:
                 raise ValueError(f"{name}: expected integer slot numbers, got a tensor of dtype {slots.dtype}")
             if slots.dim() != 1:
                 raise ValueError(f"{name}: expected a 1-D tensor [n], got shape {tuple(slots.shape)}")
+            if slots.device.type == "meta":
+                raise ValueError(f"{name}: a tensor on the meta device holds no slot numbers")
             vals = slots.detach().to("cpu", torch.long).tolist()
         elif isinstance(slots, (list, tuple, range)):
             vals = [_slot_number(x, i, name) for i, x in enumerate(slots)]
@@ -362,6 +381,7 @@ class Pool:
         self.s_v[s] = s_v
         self.tokens[s] = torch.cat([u, q], dim=-1)
 
+    @pool_writes()
     def write_checkpoint(self, slots, codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor,
                          u: torch.Tensor, q: torch.Tensor) -> None:
         """Store checkpoints into ``slots`` (n slots, see :meth:`_slots`). codes int8 [n, H, V, K] in [-127, 127];
@@ -379,6 +399,7 @@ class Pool:
         tok = self.tokens[s]
         return self.codes[s], self.s_k[s], self.s_v[s], tok[..., :K].contiguous(), tok[..., K:].contiguous()
 
+    @pool_writes()
     def write_window(self, slots, kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor,
                      gate: torch.Tensor, gbuf: torch.Tensor | None = None, fill: int = L) -> None:
         """Store windows into ``slots`` (n slots): kbuf [n, H, L, K], ubuf [n, H, L, V] (finite), w [n, H, L] in
@@ -411,6 +432,7 @@ class Pool:
             self.p[s] = staged[3]
         self.hcnt[s] = fill
 
+    @pool_writes()
     def encode(self, slots, states: torch.Tensor, q0: torch.Tensor | None = None) -> None:
         """Compress dense states [n, H, V, K] (finite; any floating dtype, computed in fp32) into the checkpoints of
         ``slots`` (how a prefill state enters the pool) from the start matrix q0 [V, R] (finite; default
@@ -423,6 +445,7 @@ class Pool:
         self._put_checkpoint(s, *self._stage_checkpoint(s, *compress(S, q0)))
 
     # ---- life cycle: a new sequence, a fork ------------------------------------------------------------------------
+    @pool_writes()
     def reset_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
         """Start new sequences in ``slots`` (n distinct slots in [1, num_slots)): a zero state and an empty window.
 
@@ -440,6 +463,7 @@ class Pool:
         for name in self.WINDOW_FIELDS[self.gate]:
             getattr(self, name)[s] = FIELDS[name].empty
 
+    @pool_writes()
     def copy_slots(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
         """Copy the sequences in ``src`` into ``dst`` (a fork, or a prefix-cache hit): checkpoint, window and fill
         count of every head, byte for byte (the checkpoint's 19,456 bytes per head; the rest of the region is not

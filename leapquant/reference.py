@@ -33,6 +33,12 @@ if TYPE_CHECKING:                     # the pool is only read here: no import of
 #: Programs rebuilt at once by the reference flush: bounds its temporaries to ~64 MB per fp32 intermediate.
 CHUNK = 1024
 
+#: The autograd mode of every write into a pool (the reference's flush and step, the pool's helpers): inference mode.
+#: A pool is state, never part of an autograd graph: an input that requires grad (a model's ``nn.Parameter`` A_log,
+#: say) would otherwise attach the pool's buffers to a graph that grows every token; and a pool an engine allocated
+#: under ``torch.inference_mode`` can only be written inside that mode (ordinary tensors may be written there too).
+pool_writes = torch.inference_mode
+
 
 def default_q0(device: torch.device | str = "cpu") -> torch.Tensor:
     """A deterministic start matrix fp32 [V, R] (Gaussian from a fixed seed, columns of unit norm): almost surely not
@@ -161,6 +167,7 @@ def written_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch
     return slots[keep], heads[keep]
 
 
+@pool_writes()
 def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Reference backend of :func:`leapquant.flush_inplace` (arguments already validated): the programs of
     :func:`written_programs` are rebuilt, re-compressed and their windows reset; a due program with an empty window
@@ -352,6 +359,7 @@ def step_reference(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u:
     return head + (r["w_new"], r["p_new"])
 
 
+@pool_writes()
 def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                  A_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor, num_k_heads: int,
                  beta_bf16: bool) -> None:

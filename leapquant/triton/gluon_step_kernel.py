@@ -112,11 +112,12 @@ def _mul(a, b):
 
 @gluon.jit
 def _softplus(x):
-    """log(1 + exp(x)), x itself above the threshold: the portable kernel's formula (step_kernel._softplus)."""
+    """log(1 + exp(x)), x itself above the threshold, NaN for a NaN x: the portable kernel's formula
+    (step_kernel._softplus)."""
     e = gl.exp(gl.minimum(x, _SP_THRESHOLD))
     u = 1.0 + e
     lp = gl.where(u == 1.0, e, gl.log(u) * (e / gl.where(u == 1.0, 1.0, u - 1.0)))
-    return gl.where(x > _SP_THRESHOLD, x, lp)
+    return gl.where(x <= _SP_THRESHOLD, lp, x)
 
 
 @gluon.jit

@@ -48,11 +48,13 @@ _INV_SQRT_K = _const(K ** -0.5)
 def _softplus(x):
     """log(1 + exp(x)), and x itself above the threshold (where exp could overflow). log1p written with exp / log
     only: with u = 1 + e rounded, log(u) * e / (u - 1) corrects the rounding of u (accurate for tiny e, where
-    log(1 + e) alone would return 0), and u == 1 means e is below half an ulp of 1: log1p(e) = e then."""
+    log(1 + e) alone would return 0), and u == 1 means e is below half an ulp of 1: log1p(e) = e then. A NaN x gives
+    NaN, as the reference's softplus: the minimum drops a NaN operand, so the last select keeps x unless x <= the
+    threshold (false for NaN)."""
     e = tl.exp(tl.minimum(x, _SP_THRESHOLD))
     u = 1.0 + e
     lp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-    return tl.where(x > _SP_THRESHOLD, x, lp)
+    return tl.where(x <= _SP_THRESHOLD, lp, x)
 
 
 @triton.jit

@@ -1,0 +1,152 @@
+"""What an engine holds and passes, beyond the format itself: model parameters that require grad, pools allocated
+under ``torch.inference_mode``, device spellings, and buffers the engine creates. The pool never joins an autograd
+graph, a pool made under inference mode is served outside it as inside, and what cannot be served is a ValueError
+before anything is written."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leapquant as lq
+from leapquant import dispatch, families, step_families as sf
+from leapquant.layout import K, L, V
+from helpers import snapshot
+
+H, N = 4, 2
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+#: the backends that step on this machine (the reference everywhere; Triton's kernels on a GPU, its portable kernel
+#: through the interpreter on a CPU)
+STEP_BACKENDS = [b for b in ("reference", "triton")
+                 if not dispatch.reasons(b, lq.Pool(2, H, device=DEVICE), op="step")]
+
+
+def _token(gate: str, requires_grad: bool = False) -> dict:
+    g = torch.Generator().manual_seed(0)
+    A_log, dt_bias = sf.head_constants(H, gate, g)
+    return dict(idx=torch.tensor([1, -1], dtype=torch.int32, device=DEVICE),
+                qkv=torch.randn(N, 2 * H * K + H * V, generator=g).bfloat16().to(DEVICE),
+                a=torch.randn((N, H, K) if gate == "kda" else (N, H), generator=g).bfloat16().to(DEVICE),
+                b=torch.randn(N, H, generator=g).bfloat16().to(DEVICE),
+                A_log=torch.nn.Parameter(A_log.to(DEVICE), requires_grad=requires_grad),
+                dt_bias=torch.nn.Parameter(dt_bias.to(DEVICE), requires_grad=requires_grad))
+
+
+def _pool(gate: str) -> lq.Pool:
+    pool = lq.Pool(3, H, gate=gate, device=DEVICE)
+    pool.encode([1, 2], torch.randn(2, H, V, K, generator=torch.Generator().manual_seed(1)))
+    return pool
+
+
+def _tracked(pool: lq.Pool) -> list[str]:
+    """The pool's buffers (and views) that are part of an autograd graph."""
+    names = ["raw", "codes", "s_k", "s_v", "tokens", *pool.WINDOW_FIELDS[pool.gate]]
+    return [n for n in names if getattr(pool, n).requires_grad or getattr(pool, n).grad_fn is not None]
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_parameters_that_require_grad_leave_the_pool_out_of_autograd(gate, backend):
+    """A_log and dt_bias as a model holds them (nn.Parameter, requiring grad): 20 decode tokens give the same bytes
+    and outputs as plain tensors, the output does not require grad and no pool buffer joins a graph."""
+    outs = {}
+    for grad in (False, True):
+        pool, t = _pool(gate), _token(gate, requires_grad=grad)
+        q0 = lq.default_q0(DEVICE)
+        for _ in range(L + 4):
+            o = lq.decode_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], q0,
+                                  backend=backend)
+        assert not o.requires_grad and o.grad_fn is None
+        assert not _tracked(pool), f"pool buffers in an autograd graph: {_tracked(pool)}"
+        outs[grad] = (o, snapshot(pool))
+    assert torch.equal(outs[False][0], outs[True][0])
+    for name, before in outs[False][1].items():
+        assert torch.equal(before, outs[True][1][name]), name
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_helpers_given_tensors_that_require_grad_leave_the_pool_out_of_autograd(gate):
+    """encode / write_checkpoint / write_window with inputs that require grad (a state from a differentiable
+    prefill, say) store values, not a graph."""
+    pool = lq.Pool(3, H, gate=gate)
+    state = torch.randn(1, H, V, K, requires_grad=True)
+    pool.encode([1], state * 1.0)
+    case = families.make_case(1, H, gate, seed=2)
+    t = {k: (v.float().requires_grad_() if v.is_floating_point() and v.dtype == torch.float32 else v)
+         for k, v in case.tensors.items()}
+    pool.write_checkpoint([2], t["codes"], t["s_k"], t["s_v"], t["u"], t["q"])
+    pool.write_window([2], t["kbuf"], t["ubuf"], t["w"], t["pcum"] if gate == "kda" else t["p"], t.get("gbuf"))
+    assert not _tracked(pool), f"pool buffers in an autograd graph: {_tracked(pool)}"
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_a_pool_made_under_inference_mode_is_served_outside_it(gate, backend):
+    """An engine allocates its pool under torch.inference_mode and may call outside it (or the other way round):
+    every public call works either way and writes the same bytes."""
+    results = []
+    for made_inside in (False, True):
+        with torch.inference_mode(made_inside):
+            pool = _pool(gate)
+        t = _token(gate)
+        pool.reset_slots([2])
+        pool.copy_slots([1], [2])
+        o = lq.decode_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"],
+                              lq.default_q0(DEVICE), backend=backend)
+        with torch.inference_mode(made_inside):         # (the test's own write: inference tensors need the mode)
+            pool.hcnt[1] = L
+        lq.flush_inplace(pool, torch.tensor([1, 2], dtype=torch.int32, device=DEVICE), lq.default_q0(DEVICE),
+                         backend=backend)
+        results.append((o, snapshot(pool)))
+    assert torch.equal(results[0][0], results[1][0])
+    for name, before in results[0][1].items():
+        assert torch.equal(before, results[1][1][name]), name
+
+
+@pytest.mark.parametrize("spelling", ["cpu", "cpu:0", torch.device("cpu", 0)])
+def test_device_spellings_name_one_device(spelling):
+    """``cpu:0`` is the CPU: the pool's buffers and the device it checks its calls against agree."""
+    pool = lq.Pool(2, 1, device=spelling)
+    assert pool.device == torch.device("cpu") and pool.raw.device == pool.device
+    lq.flush_inplace(pool, torch.tensor([1], dtype=torch.int32), lq.default_q0())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device="no-such-device"), "device: "),
+    (dict(raw=[0.0]), "raw: expected a torch.Tensor"),
+])
+def test_pools_that_cannot_exist_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lq.Pool(2, 1, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_cuda_pool_without_cuda_is_refused():
+    with pytest.raises(ValueError, match="finds 0 CUDA device"):
+        lq.Pool(2, 1, device="cuda")
+
+
+def test_slots_on_the_meta_device_are_refused():
+    pool = lq.Pool(3, 1)
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="meta device"):
+        pool.reset_slots(torch.ones(1, dtype=torch.long, device="meta"))
+    assert all(torch.equal(v, snapshot(pool)[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_a_nan_gate_reaches_the_output(gate, backend):
+    """Values are not checked on the hot path (that would read them on the host), so a NaN in a caller's gate
+    pre-activation is the caller's to see: every backend carries it into that head's output and gate state as NaN,
+    as the reference's formula does, rather than turning it into a finite gate that silently wipes the state. The
+    other heads stay finite."""
+    pool, t = _pool(gate), _token(gate)
+    if gate == "kda":
+        t["a"][0, 0, 5] = float("nan")
+    else:
+        t["a"][0, 0] = float("nan")
+    out = lq.step_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], backend=backend)
+    assert bool(out[0, 0].float().isnan().all()), "the head with the NaN gate"
+    assert bool(out[0, 1:].float().isfinite().all()) and not bool(out[1].any()), "the other heads, the padding row"
+    gate_state = pool.pcum[1, 0, 5] if gate == "kda" else pool.p[1, 0]
+    assert bool(gate_state.isnan()), "the gate state of the head with the NaN gate"
