@@ -16,6 +16,7 @@ The window tensors are separate and dense ([NS, H, ...]). Slot 0 is reserved ("n
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass
@@ -235,6 +236,15 @@ def _pool_device(device: object) -> torch.device:
         if d.index is None or d.index >= count:
             raise ValueError(f"device: {device!r}, but torch {torch.__version__} finds {count} CUDA device(s)")
     return d
+
+
+def on_pool_device(pool: "Pool") -> contextlib.AbstractContextManager:
+    """The pool's GPU as the current device for a launch (Triton and TileLang launch on the current device, on its
+    current stream): a pool on another GPU than the current one (an engine's ``cuda:1`` from a thread on ``cuda:0``)
+    is served on its own; nothing to switch on a CPU or when it is current already."""
+    if pool.device.type != "cuda" or pool.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(pool.device)
 
 
 class Pool:

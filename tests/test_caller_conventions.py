@@ -150,3 +150,32 @@ def test_a_nan_gate_reaches_the_output(gate, backend):
     assert bool(out[0, 1:].float().isfinite().all()) and not bool(out[1].any()), "the other heads, the padding row"
     gate_state = pool.pcum[1, 0, 5] if gate == "kda" else pool.p[1, 0]
     assert bool(gate_state.isnan()), "the gate state of the head with the NaN gate"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_a_pool_on_another_gpu_is_served_there(backend):
+    """Kernels launch on the current device: a pool on cuda:1 called from cuda:0 gets the same bytes as the same
+    pool on cuda:0 (decode_inplace for Triton; the flush for TileLang, which has no step)."""
+    heads = 8
+    case = families.make_case(2, heads, "kda", seed=3)
+    results = []
+    for dev in ("cuda:0", "cuda:1"):
+        pool = lq.Pool(3, heads, device=dev)
+        case.load_into(pool, [1, 2])
+        idx = torch.tensor([1, 2], dtype=torch.int32, device=dev)
+        with torch.cuda.device(0):
+            if backend == "triton":
+                g = torch.Generator().manual_seed(4)
+                A_log, dt_bias = sf.head_constants(heads, "kda", g)
+                qkv = torch.randn(2, 2 * heads * K + heads * V, generator=g).bfloat16()
+                a, b = torch.randn(2, heads, K, generator=g).bfloat16(), torch.randn(2, heads, generator=g).bfloat16()
+                pool.hcnt[1:3] = 3
+                lq.decode_inplace(pool, idx, qkv.to(dev), a.to(dev), b.to(dev), A_log.to(dev), dt_bias.to(dev),
+                                  lq.default_q0(dev), backend=backend)
+            else:
+                lq.flush_inplace(pool, idx, lq.default_q0(dev), backend=backend)
+            torch.cuda.synchronize(dev)
+        results.append(snapshot(pool))
+    for name, first in results[0].items():
+        assert torch.equal(first.cpu(), results[1][name].cpu()), name

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from .. import dispatch
-from ..layout import GATES, Pool
+from ..layout import GATES, Pool, on_pool_device
 from .config import ALIGN_BYTES, SUPPORTED_HEADS, FlushConfig, shared_bytes
 
 #: the tilelang releases the kernel is validated on, and how. "gpu": the GPU suite (every input family, both gates,
@@ -180,11 +180,8 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         return
     kern = kernel_for(pool)
     args = _call_args(pool)
-    if pool.device.index == torch.cuda.current_device():
+    with on_pool_device(pool):
         kern(*args, q0, idx)
-    else:
-        with torch.cuda.device(pool.device):
-            kern(*args, q0, idx)
 
 
 def versions() -> dict[str, str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..layout import Pool, slot_stride
+from ..layout import Pool, on_pool_device, slot_stride
 from . import step_kernel, tl_kernel
 from .tl_kernel import INTERPRETED
 
@@ -235,10 +235,11 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     One launch of a fixed grid; no host synchronisation, no allocation once the pool's workspace exists."""
     if idx.numel() == 0:
         return
-    ws = _workspace(pool, idx.numel())
-    if ws.launch is None or not _same(ws.buffers, pool_buffers(pool)):
-        _bind(pool, ws, q0, idx)
-    ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
+    with on_pool_device(pool):
+        ws = _workspace(pool, idx.numel())
+        if ws.launch is None or not _same(ws.buffers, pool_buffers(pool)):
+            _bind(pool, ws, q0, idx)
+        ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
 
 
 def warmup(pool: Pool) -> None:
@@ -265,12 +266,14 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
             A_log, dt_bias, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
     meta = dict(H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16))
     grid = (idx.numel() * pool.num_heads,)
-    if _step_kernel_choice(pool.device) == "mma":
-        gk = _gluon_step_kernel()
-        gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1,
-                             maxnreg=gk.MAX_REGISTERS[pool.gate])
-    else:
-        step_kernel.step_kernel[grid](*args, **meta, BV=step_kernel.BV, num_warps=step_kernel.WARPS, num_stages=1)
+    with on_pool_device(pool):
+        if _step_kernel_choice(pool.device) == "mma":
+            gk = _gluon_step_kernel()
+            gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1,
+                                 maxnreg=gk.MAX_REGISTERS[pool.gate])
+        else:
+            step_kernel.step_kernel[grid](*args, **meta, BV=step_kernel.BV, num_warps=step_kernel.WARPS,
+                                          num_stages=1)
 
 
 _STEP_CHOICE: dict[str, str] = {}
