@@ -246,9 +246,10 @@ def test_repeated_flushes_keep_the_error(backend, gate):
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decay_only_window_is_flushed(backend, gate):
-    """A window without weights whose gate still decays the checkpoint (helpers.DECAY_ONLY_PCUM, DECAY_ONLY_P) is not
-    empty: it is flushed to the decayed state (judged by the criterion) and reset, as the reference decides;
-    the same window without the decay (-0.0 weights and pcum included) is left bitwise alone."""
+    """A window without weights whose gate still decays the checkpoint (KDA: one pcum channel at -0.25; GDN: p =
+    exp(-2); helpers.DECAY_ONLY_*) is not empty: it is flushed to the decayed state (judged by the criterion) and
+    reset, as the reference decides; the same window without the decay (-0.0 weights and pcum included) is left
+    bitwise alone."""
     heads = _heads_for(backend)
     served(backend, heads, gate)
     pool, idx = noisy_pool(gate, heads, 17, DEVICE)

@@ -5,8 +5,8 @@
 A window with every weight 0 but a decay (GDN p < 1, KDA pcum < 0) is flushed to the decayed checkpoint: a multiple
 of a state that is already in the compressed form, so the re-compression gives most of the stored tokens and codes
 back and its error is small, set by the few tokens that round the other way. The criterion compares that error with
-the fp32 reference's at a 1 % slack. This tool counts the heads over their bound for two implementations of the same
-algorithm that are at least as accurate as the reference: the reference's Gram-Schmidt computed in fp64, and the
+the fp32 reference's at a 1 % slack. This tool counts the heads over their bound for two other implementations of the
+same algorithm: the reference's Gram-Schmidt computed in fp64 (more accurate than the fp32 reference), and the
 kernels' CholeskyQR (numerics' passes and floors) in fp32. Every family, ``families.make_case(16, 32, gate, seed)`` for
 ``SEEDS`` seeds (default 12: 6,144 heads per row), weights set to 0 and the decay of each row applied.
 """
