@@ -8,6 +8,7 @@ import torch
 
 from . import dispatch
 from .layout import L, V, Pool
+from .reference import pool_writes
 from .validate import (check_flush_args, check_flag, check_pool, check_run_args, check_step_args,
                        check_step_run_args)
 
@@ -114,8 +115,9 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
     must run before its next step.
 
     The checks read metadata only (no host synchronisation; idx's values only with ``check_idx`` or
-    ``LEAPQUANT_CHECK_IDX``, as :func:`flush_inplace`); bad arguments raise ``ValueError`` naming the argument before
-    anything is written. backend: as :func:`flush_inplace`; a backend without a step kernel cannot serve (today only
+    ``LEAPQUANT_CHECK_IDX``, as :func:`flush_inplace`, which then also checks that no stepped program is due with a
+    window no flush has folded); bad arguments raise ``ValueError`` naming the argument before anything is written.
+    ``out`` may not share memory with anything the step reads (the inputs, the pool). backend: as :func:`flush_inplace`; a backend without a step kernel cannot serve (today only
     the reference, which synchronises)."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
     chosen = dispatch.select(pool, idx.numel(), backend, op="step")
@@ -164,11 +166,13 @@ def _step_run(gate: str, args: dict[str, torch.Tensor], num_k_heads: int | None,
     gate_arg = args["pcum"] if gate == "kda" else args["p"]
     pool.write_window(rows, args["kbuf"], args["ubuf"], args["w"], gate_arg, args.get("gbuf"), fill=0)
     h = args["h"]
-    pool.hcnt[rows] = h
+    with pool_writes():
+        pool.hcnt[rows] = h
     qkv = torch.cat([args["qx"].reshape(B, -1), args["kx"].reshape(B, -1), args["vx"].reshape(B, -1)], dim=1)
     out = torch.empty(B, H, V, dtype=torch.bfloat16, device=dev)
+    # (the rows are the form's own, one slot each; a fill count of L is an input here, not a flush left out)
     step_inplace(pool, rows.to(torch.int32), qkv, args["a"], args["b"], args["A_log"], args["dt_bias"], out,
-                 num_k_heads=hk, beta_bf16=beta_bf16, backend=backend)
+                 num_k_heads=hk, beta_bf16=beta_bf16, backend=backend, check_idx=False)
     entry = torch.where(h == L, torch.zeros_like(h), h).long()          # the entry the step appended
     si = rows.unsqueeze(1).expand(B, H)
     hi = torch.arange(H, device=dev).unsqueeze(0).expand(B, H)

@@ -221,21 +221,13 @@ def _slot_number(x: object, position: int, name: str = "slots") -> int:
 
 
 def _pool_device(device: object) -> torch.device:
-    """``device`` as the pool's tensors will report it: ``cpu:0`` is ``cpu``, ``cuda`` gets the current device's index;
-    a device torch cannot name, or a CUDA device torch does not find, raises a ``ValueError``."""
+    """``device`` as the pool's tensors will report it (``cpu:0`` is ``cpu``; ``cuda`` gets the current device's
+    index): the device of an empty tensor made there. A device torch cannot name or cannot reach raises a
+    ``ValueError``."""
     try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device: {e}") from None
-    if d.type == "cpu":
-        return torch.device("cpu")
-    if d.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if d.index is None and count:
-            d = torch.device("cuda", torch.cuda.current_device())
-        if d.index is None or d.index >= count:
-            raise ValueError(f"device: {device!r}, but torch {torch.__version__} finds {count} CUDA device(s)")
-    return d
+        return torch.empty(0, device=device).device
+    except (RuntimeError, TypeError, AssertionError) as e:
+        raise ValueError(f"device: {device!r} cannot hold the pool's tensors ({type(e).__name__}: {e})") from None
 
 
 def on_pool_device(pool: "Pool") -> contextlib.AbstractContextManager:

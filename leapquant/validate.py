@@ -23,9 +23,11 @@ from .reference import empty_window
 CHECK_IDX_ENV = "LEAPQUANT_CHECK_IDX"
 CHECK_IDX: bool = os.environ.get(CHECK_IDX_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
-#: per pool, the buffer objects last found valid (held, so that no new tensor can take a checked one's identity) and
-#: their byte spans by name: a pool is re-checked only when one of its buffers is replaced
-_CHECKED: "weakref.WeakKeyDictionary[Pool, tuple[tuple, dict[str, tuple[int, int]]]]" = weakref.WeakKeyDictionary()
+#: per pool, the buffer objects last found valid (held, so that no new tensor can take a checked one's identity),
+#: their byte spans by name and their data addresses: a pool is re-checked only when one of its buffers, or the memory
+#: behind one, is replaced
+_CHECKED: "weakref.WeakKeyDictionary[Pool, tuple[tuple, dict[str, tuple[int, int]], tuple]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _capturing(device: torch.device) -> bool:
@@ -41,6 +43,12 @@ def _same(a: tuple | None, b: tuple) -> bool:
     return a is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+def _addresses(buffers: tuple) -> tuple:
+    """Where each buffer's data starts: a buffer object can be kept while its memory is swapped (``t.data = ...``,
+    ``t.set_(...)``), which a check of the objects alone would miss."""
+    return tuple(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in buffers)
+
+
 def check_pool(pool: object, gate: str | None = None, num_heads: int | None = None) -> Pool:
     """The pool's buffers still match its geometry (an engine may have swapped one), and its gate / heads match
     what the caller expects. The full check runs once per set of buffers (the last valid set is remembered)."""
@@ -51,7 +59,8 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     if num_heads is not None and pool.num_heads != num_heads:
         raise ValueError(f"pool: num_heads mismatch: the pool has {pool.num_heads}, the call expects {num_heads}")
     key = _buffers(pool)
-    if _same(_CHECKED.get(pool, (None,))[0], key):
+    seen = _CHECKED.get(pool)
+    if seen is not None and _same(seen[0], key) and seen[2] == _addresses(key):
         return pool
     NS, H, dev = pool.num_slots, pool.num_heads, pool.device
     check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev)
@@ -61,7 +70,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     if pool.codes.untyped_storage().data_ptr() != pool.raw.untyped_storage().data_ptr():
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
-    _CHECKED[pool] = (key, {f"pool.{n}": _byte_span(t) for n, t in zip(names, key)})
+    _CHECKED[pool] = (key, {f"pool.{n}": _byte_span(t) for n, t in zip(names, key)}, _addresses(key))
     return pool
 
 
@@ -250,7 +259,8 @@ def _key_heads(gate: str, num_heads: int, num_k_heads: object, derived: int | No
                              f"({num_heads})")
         raise ValueError(f"num_k_heads: KDA has one key head per head ({num_heads}), got {hk}")
     if num_heads % hk:
-        raise ValueError(f"num_k_heads: the {num_heads} heads must split evenly over the key heads, got {hk}")
+        what = f"num_k_heads: got {hk}" if num_k_heads is not None else f"{arg}: {source} gives {hk} key heads"
+        raise ValueError(f"{what}, but the {num_heads} heads must split evenly over the key heads")
     return hk
 
 

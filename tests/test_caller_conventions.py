@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import leapquant as lq
-from leapquant import dispatch, families, step_families as sf
+from leapquant import api, dispatch, families, step_families as sf
 from leapquant.layout import K, L, V
 from helpers import snapshot
 
@@ -121,7 +121,7 @@ def test_pools_that_cannot_exist_are_refused(kwargs, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_cuda_pool_without_cuda_is_refused():
-    with pytest.raises(ValueError, match="finds 0 CUDA device"):
+    with pytest.raises(ValueError, match="device: .cuda. cannot hold the pool.s tensors"):
         lq.Pool(2, 1, device="cuda")
 
 
@@ -179,3 +179,20 @@ def test_a_pool_on_another_gpu_is_served_there(backend):
         results.append(snapshot(pool))
     for name, first in results[0].items():
         assert torch.equal(first.cpu(), results[1][name].cpu()), name
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_functional_forms_inside_and_outside_inference_mode(gate, backend):
+    """The functional forms keep a scratch pool per geometry: one first made under inference mode serves later calls
+    outside it (and the other way round), with the same results."""
+    api._POOLS.clear()                                  # (the scratch pools: made afresh, inside the mode first)
+    step_case = sf.make_step_case(2, H, gate, seed=5).to(DEVICE)
+    flush_case = families.make_case(2, H, gate, seed=5).to(DEVICE)
+    results = []
+    for inside in (True, False, True):
+        with torch.inference_mode(inside):
+            results.append((step_case.run(backend=backend), flush_case.run(backend=backend)))
+    for later in results[1:]:
+        for a, b in zip(results[0][0] + results[0][1], later[0] + later[1]):
+            assert torch.equal(a, b)

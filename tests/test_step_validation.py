@@ -95,7 +95,10 @@ def test_gate_specific_shapes(pool):
         _expect_rejected(pool, r"a: expected shape \(N, H\)", a=torch.zeros(N, H, K, dtype=torch.bfloat16))
         _expect_rejected(pool, r"dt_bias: expected shape \(H\)", dt_bias=torch.zeros(H, K))
         # 3 key heads do not divide 4 value heads
-        _expect_rejected(pool, "must split evenly", qkv=torch.zeros(N, 2 * 3 * K + H * V, dtype=torch.bfloat16))
+        _expect_rejected(pool, "qkv: its width 1280 gives 3 key heads, but the 4 heads must split evenly",
+                         qkv=torch.zeros(N, 2 * 3 * K + H * V, dtype=torch.bfloat16))
+        _expect_rejected(pool, "num_k_heads: got 3, but the 4 heads must split evenly",
+                         qkv=torch.zeros(N, 2 * 3 * K + H * V, dtype=torch.bfloat16), num_k_heads=3)
 
 
 def _sharing(base: torch.Tensor, n: int, offset: int) -> torch.Tensor:
@@ -119,6 +122,20 @@ def test_out_may_not_share_memory_with_what_the_step_reads(pool, what):
     else:
         changes = {"out": pool.raw.view(torch.bfloat16)[:n_out].view(N, H, V)}
     _expect_rejected(pool, f"out: shares memory with {what}", **changes)
+
+
+def test_a_buffer_whose_memory_is_swapped_is_checked_again(pool):
+    """An engine may keep a buffer object and swap the memory behind it (``t.data = ...``): the overlap check uses
+    the new memory, not what it saw before."""
+    args = good_args(pool.gate)
+    lq.step_inplace(pool, args["idx"], args["qkv"], args["a"], args["b"], args["A_log"], args["dt_bias"],
+                    args["out"], backend="reference")
+    old_ubuf = pool.ubuf.data
+    pool.ubuf.data = old_ubuf.clone()
+    inside_new = pool.ubuf.reshape(-1)[:N * H * V].view(N, H, V)
+    _expect_rejected(pool, "out: shares memory with pool.ubuf", out=inside_new)
+    lq.step_inplace(pool, args["idx"], args["qkv"], args["a"], args["b"], args["A_log"], args["dt_bias"],
+                    old_ubuf.reshape(-1)[:N * H * V].view(N, H, V), backend="reference")
 
 
 def test_out_next_to_an_input_is_accepted(pool):
