@@ -30,8 +30,8 @@ _LAZY = {
     "Pool": "layout",
     "default_q0": "reference",
 }
-#: submodules reachable as attributes (``leapquant.layout``) without importing them first: those an eager
-#: ``import leapquant`` used to load (the backends' packages stay behind an explicit import)
+#: submodules reachable as attributes (``leapquant.layout``) without importing them first: the package's core (the
+#: backends' packages stay behind an explicit import)
 _SUBMODULES = ("api", "layout", "reference", "validate")
 
 __all__ = [

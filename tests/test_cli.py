@@ -172,7 +172,7 @@ def test_demo_judges_the_triton_kernel_on_a_cpu():
 @pytest.mark.parametrize("option", ["--windows", "--batch", "--heads"])
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_demo_rejects_counts_below_one(option, value):
-    """--windows 0 used to raise a TypeError deep inside, --batch 0 silently ran 8 sequences."""
+    """A count below one is a usage error naming the option (not a TypeError deep inside, nor a silent default)."""
     res = _run("demo", option, value)
     _assert_usage_error(res, f"argument {option}", ">= 1", value)
     assert res.stdout == ""
