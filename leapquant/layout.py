@@ -39,6 +39,10 @@ SV_BYTE = SK_BYTE + 4 * K        #: byte offset of s_v (16896)
 TOK_BYTE = SV_BYTE + 4 * V       #: byte offset of the fp16 tokens (17408)
 CHECKPOINT_BYTES = TOK_BYTE + 2 * R * (K + V)  #: 19456
 CHECKPOINT_WORDS = CHECKPOINT_BYTES // 4
+#: ``raw`` starts on a 16-byte boundary (the kernels copy checkpoints in 16-byte pieces): a fresh allocation does, and
+#: so must an engine's raw carved out of a larger buffer. The window tensors should too (TileLang serves only such
+#: pools, and says so; the other backends serve any)
+ALIGN_BYTES = 16
 
 assert CHECKPOINT_BYTES == 19456 and SK_BYTE % 4 == 0 and TOK_BYTE % 4 == 0
 
@@ -59,9 +63,12 @@ def region_word(slot: int, head: int, num_heads: int) -> int:
 
 
 def _view(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int], offset: int) -> torch.Tensor:
-    """A strided view of ``raw``'s storage as ``dtype`` (offset and strides in elements of ``dtype``)."""
+    """A strided view of ``raw`` as ``dtype``: offset (from raw's first word, which may lie anywhere in its storage)
+    and strides in elements of ``dtype``."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    start = raw.storage_offset() * raw.element_size() // itemsize + offset
     out = torch.empty(0, dtype=dtype, device=raw.device)
-    out.set_(raw.untyped_storage(), offset, tuple(shape), tuple(strides))
+    out.set_(raw.untyped_storage(), start, tuple(shape), tuple(strides))
     return out
 
 
@@ -244,7 +251,8 @@ class Pool:
 
     ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything (windows empty: ``w = 0``,
     ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``). An engine that owns its buffers passes them by keyword
-    (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy).
+    (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); ``raw`` may be a
+    view into a larger buffer (several layers' states in one allocation) that starts on a 16-byte boundary.
 
     The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`encode`,
     :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence; :meth:`copy_slots`: a fork)
@@ -526,5 +534,6 @@ def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype
     t = check_tensor(name, t, shape, dtype, device)
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
-    if t.storage_offset() != 0 and name == "raw":
-        raise ValueError(f"{name}: expected storage offset 0, got {t.storage_offset()}")
+    if name.endswith("raw") and t.data_ptr() % ALIGN_BYTES:
+        raise ValueError(f"{name}: expected a start on a {ALIGN_BYTES}-byte boundary (an engine's raw may be a view "
+                         f"into a larger buffer at such an offset), got address {t.data_ptr():#x}")

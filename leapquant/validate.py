@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from .layout import (FIELDS, GATES, K, L, R, V, Pool, check_dense, check_tensor, raw_words)
+from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, check_dense, check_tensor, raw_words)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -67,7 +67,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     for name in pool.WINDOW_FIELDS[pool.gate]:
         f = FIELDS[name]
         check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev)
-    if pool.codes.untyped_storage().data_ptr() != pool.raw.untyped_storage().data_ptr():
+    if pool.codes.data_ptr() != pool.raw.data_ptr() + 4 * OFF + CODES_BYTE:
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
     _CHECKED[pool] = (key, {f"pool.{n}": _byte_span(t) for n, t in zip(names, key)}, _addresses(key))

@@ -196,3 +196,37 @@ def test_functional_forms_inside_and_outside_inference_mode(gate, backend):
     for later in results[1:]:
         for a, b in zip(results[0][0] + results[0][1], later[0] + later[1]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_raw_carved_out_of_a_larger_buffer(gate, backend):
+    """An engine may hand the pool a raw that is a view into its own larger allocation (several layers' states in one
+    buffer), at any 16-byte-aligned offset: the pool's views, the helpers and the kernels address that view, the
+    results equal those of a pool of its own, and nothing outside the view changes."""
+    words = lq.layout.raw_words(3, H)
+    lead = 20                                            # words before the view: 80 bytes, 16-byte aligned
+    arena = torch.full((lead + words + 12,), 7.0, device=DEVICE)
+    arena[lead:lead + words] = 0.0                       # as a fresh pool's raw
+    results = []
+    for raw in (None, arena[lead:lead + words]):
+        pool = lq.Pool(3, H, gate=gate, device=DEVICE, **({} if raw is None else {"raw": raw}))
+        pool.encode([1, 2], torch.randn(2, H, V, K, generator=torch.Generator().manual_seed(1)))
+        t = _token(gate)
+        for _ in range(L):
+            o = lq.decode_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"],
+                                  lq.default_q0(DEVICE), backend=backend)
+        results.append((o, pool.read_checkpoint([1, 2]), snapshot(pool)))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+    for name, first in results[0][2].items():
+        assert torch.equal(first, results[1][2][name]), name
+    assert bool((arena[:lead] == 7.0).all()) and bool((arena[lead + words:] == 7.0).all()), "bytes outside the view"
+
+
+def test_a_misaligned_raw_is_refused():
+    words = lq.layout.raw_words(2, 1)
+    arena = torch.zeros(words + 1)
+    with pytest.raises(ValueError, match="raw: expected a start on a 16-byte boundary"):
+        lq.Pool(2, 1, raw=arena[1:])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import CHECKPOINT_BYTES, CHECKPOINT_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
+from ..layout import ALIGN_BYTES, CHECKPOINT_BYTES, CHECKPOINT_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
 from ..numerics import K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, V
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
@@ -94,9 +94,9 @@ SCALE_V_STRIDE = V + TILE
 assert TILES_PER_SIDE * max(SCALE_K_STRIDE, SCALE_V_STRIDE) <= TILES_PER_SIDE * V * R   # in the products' buffer
 
 # ---- the pool, in the units of the views that read it --------------------------------------------------------------
-#: every pool tensor must start on a 16-byte boundary: the prefetch copies (cp.async) and the fill counters' loads move
-#: 16 bytes at a time (row strides are multiples of 16 bytes for every supported geometry)
-ALIGN_BYTES = 16
+#: every pool tensor must start on a 16-byte boundary (layout.ALIGN_BYTES; the pool guarantees it for raw): the
+#: prefetch copies (cp.async) and the fill counters' loads move 16 bytes at a time (row strides are multiples of 16
+#: bytes for every supported geometry)
 WORD_BYTES, HALVES_PER_WORD = 4, 2      # the fp32 / int32 views count words, the fp16 view halfwords
 CHUNK_WORDS = ALIGN_BYTES // WORD_BYTES     # 4: 32-bit words per 16-byte chunk
 CHUNK_HALVES = ALIGN_BYTES // 2         # 8: 16-bit values per 16-byte chunk (the reset's stores, the copies)
