@@ -37,7 +37,10 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
 
 
 def warmup(pool: Pool, *, backend: str | None = None) -> str:
-    """Compile / load the chosen backend's kernel for ``pool`` outside any graph capture; returns its name."""
+    """Compile / load the chosen backend's flush kernel for ``pool`` outside any graph capture; returns its name.
+    The step kernel is specialised on the call's own arguments (key heads, beta's mode, the inputs' alignment): one
+    eager step_inplace / decode_inplace call with the engine's buffers before capturing compiles it (as
+    examples/kda_decode_loop.py does, with every row padding)."""
     check_pool(pool)
     b = dispatch.select(pool, pool.num_slots, backend)
     if b.warmup is not None:

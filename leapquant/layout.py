@@ -65,8 +65,8 @@ def region_word(slot: int, head: int, num_heads: int) -> int:
 def _view(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int], offset: int) -> torch.Tensor:
     """A strided view of ``raw`` as ``dtype``: offset (from raw's first word, which may lie anywhere in its storage)
     and strides in elements of ``dtype``."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    start = raw.storage_offset() * raw.element_size() // itemsize + offset
+    assert (raw.storage_offset() * raw.element_size()) % dtype.itemsize == 0, "raw's start is 16-byte aligned"
+    start = raw.storage_offset() * raw.element_size() // dtype.itemsize + offset
     out = torch.empty(0, dtype=dtype, device=raw.device)
     out.set_(raw.untyped_storage(), start, tuple(shape), tuple(strides))
     return out
@@ -243,6 +243,9 @@ def on_pool_device(pool: "Pool") -> contextlib.AbstractContextManager:
     is served on its own; nothing to switch on a CPU or when it is current already."""
     if pool.device.type != "cuda" or pool.device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
+    if torch.cuda.is_current_stream_capturing():    # the switch would launch on a stream outside the capture
+        raise ValueError(f"pool: on {pool.device}, but a CUDA graph is being captured on "
+                         f"cuda:{torch.cuda.current_device()}; capture on the pool's device")
     return torch.cuda.device(pool.device)
 
 

@@ -44,9 +44,11 @@ def _same(a: tuple | None, b: tuple) -> bool:
 
 
 def _addresses(buffers: tuple) -> tuple:
-    """Where each buffer's data starts: a buffer object can be kept while its memory is swapped (``t.data = ...``,
-    ``t.set_(...)``), which a check of the objects alone would miss."""
-    return tuple(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in buffers)
+    """Where each buffer's data starts and how it is laid out: a buffer object can be kept while its memory or its
+    view is swapped (``t.data = ...``, ``t.set_(...)``, ``t.as_strided_(...)``), which a check of the objects alone
+    would miss."""
+    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else None
+                 for t in buffers)
 
 
 def check_pool(pool: object, gate: str | None = None, num_heads: int | None = None) -> Pool:

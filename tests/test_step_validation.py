@@ -125,8 +125,8 @@ def test_out_may_not_share_memory_with_what_the_step_reads(pool, what):
 
 
 def test_a_buffer_whose_memory_is_swapped_is_checked_again(pool):
-    """An engine may keep a buffer object and swap the memory behind it (``t.data = ...``): the overlap check uses
-    the new memory, not what it saw before."""
+    """An engine may keep a buffer object and swap the memory or the view behind it (``t.data = ...``,
+    ``t.as_strided_(...)``): the checks see the new one, not what they saw before."""
     args = good_args(pool.gate)
     lq.step_inplace(pool, args["idx"], args["qkv"], args["a"], args["b"], args["A_log"], args["dt_bias"],
                     args["out"], backend="reference")
@@ -136,6 +136,10 @@ def test_a_buffer_whose_memory_is_swapped_is_checked_again(pool):
     _expect_rejected(pool, "out: shares memory with pool.ubuf", out=inside_new)
     lq.step_inplace(pool, args["idx"], args["qkv"], args["a"], args["b"], args["A_log"], args["dt_bias"],
                     old_ubuf.reshape(-1)[:N * H * V].view(N, H, V), backend="reference")
+    # the same object and address, another view: checked again
+    ns, h, l, k = pool.kbuf.shape
+    pool.kbuf.as_strided_(pool.kbuf.shape, (h * l * k, l * k, 1, l))          # each [L, K] tile transposed in place
+    _expect_rejected(pool, "pool.kbuf: expected a contiguous tensor")
 
 
 def test_out_next_to_an_input_is_accepted(pool):

@@ -109,6 +109,7 @@ class _Workspace:
     kernel: str = "tl"             # "mma" or "tl" (kernel_for)
     programs: int = 0              # persistent programs resident at once (0: not bound yet)
     buffers: tuple = ()            # the pool tensors the launch is bound to (re-bound when the caller swaps one)
+    addresses: tuple = ()          # where their data started when bound (re-bound when that moves)
     launch: object = None          # launch(*kernel parameters): the compiled kernel's launcher, or the JIT's
     constants: tuple = ()          # the compile-time parameters, in the kernel's order, after the run-time ones
 
@@ -204,6 +205,7 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
         raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first "
                            "(the kernel is compiled and bound to the pool's buffers there)")
     ws.buffers = pool_buffers(pool)
+    ws.addresses = _addresses(ws.buffers)
     ws.kernel = kernel_for(pool.device)
     fn = kernel_fn(ws.kernel)
     args = _flush_args(pool, ws, q0, idx)
@@ -228,6 +230,12 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+def _addresses(buffers: tuple) -> tuple:
+    """Where the bound buffers' data start: the compiled kernel is specialised on their 16-byte alignment, so memory
+    swapped behind a kept buffer object (``t.data = ...``) binds again."""
+    return tuple(t.data_ptr() for t in buffers)
+
+
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
 
@@ -237,7 +245,7 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         return
     with on_pool_device(pool):
         ws = _workspace(pool, idx.numel())
-        if ws.launch is None or not _same(ws.buffers, pool_buffers(pool)):
+        if ws.launch is None or not _same(ws.buffers, pool_buffers(pool)) or ws.addresses != _addresses(ws.buffers):
             _bind(pool, ws, q0, idx)
         ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
 
