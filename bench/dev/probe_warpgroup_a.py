@@ -29,7 +29,7 @@ from leapquant.numerics import CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, K, R, V
 
 from probe_warpgroup_b import (_CODES_BYTE, _K, _L, _QMAX, _R, _SK_WORD, _SV_WORD,  # noqa: E402
                                _TOK_HALF, _TOK_ROW, _V, _RNI_ASM, CODES, CODES_SMEM, PLAIN2, WARPS, _mul,
-                               _program, compile_probe, print_static, probe_args)
+                               _program, compile_probe, print_static, probe_args, time_mode)
 
 _REL_FLOOR = gl.constexpr(CHOLQR_RELATIVE_FLOOR)
 _ABS_FLOOR = gl.constexpr(CHOLQR_ABS_FLOOR)
@@ -292,25 +292,14 @@ def main() -> int:
         print_static(compile_static, args.capability, args.maxnreg)
         return 0
     import torch
-    from leapquant.bench import _percentile, slot_sets, time_calls_kernel
-    from leapquant.layout import Pool
     from leapquant.reference import default_q0
     dev = torch.device("cuda")
-    for gate in ("kda", "gdn"):
-        print(check(gate, dev), flush=True)
-    print("| gate | maxnreg | batch | us |\n| --- | --- | --- | --- |")
     q0 = default_q0(dev)
-    for gate in ("kda", "gdn"):
-        pool = Pool(8 * max(args.batch) + 1, 32, device=dev, gate=gate)
-        for batch in args.batch:
-            idx = [s.to(torch.int32) for s in slot_sets(8, batch, 0, dev)]
-            out = torch.empty((batch, 32, R, K + V), dtype=torch.float16, device=dev)
-            for cap in args.maxnreg:
-                samples, _ = time_calls_kernel(lambda s: launch(pool, idx[s], q0, out, cap or None), 8, args.repeats,
-                                               dev)
-                print(f"| {gate} | {cap or 'none'} | {batch} | {_percentile(samples, 50):.1f} |", flush=True)
-        pool = None  # noqa: F841
-        torch.cuda.empty_cache()
+
+    def call_for(pool, gate, batch, idx):
+        out = torch.empty((batch, 32, R, K + V), dtype=torch.float16, device=dev)
+        return lambda s, cap: launch(pool, idx[s], q0, out, cap)
+    time_mode(args, check, call_for)
     return 0
 
 

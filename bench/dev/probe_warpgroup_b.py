@@ -263,34 +263,47 @@ def probe_args(batches: list[int]) -> argparse.Namespace:
     return ap.parse_args()
 
 
+def time_mode(args, check, call_for, bound_us=None) -> None:
+    """A probe's ``time`` mode on the GPU: ``check(gate, dev)`` first (a line each), then one table row per gate,
+    register cap and batch, L2-cold (eight rotated slot sets), median of ``args.repeats``. ``call_for(pool, gate,
+    batch, idx)`` gives the call of slot set s; ``bound_us(gate, batch)``, if given, a column of the bound."""
+    import torch
+    from leapquant.bench import _percentile, slot_sets, time_calls_kernel
+    from leapquant.layout import Pool
+    dev = torch.device("cuda")
+    for gate in ("kda", "gdn"):
+        print(check(gate, dev), flush=True)
+    extra = (" a whole flush's bound us |", " --- |") if bound_us else ("", "")
+    print(f"| gate | maxnreg | batch | us |{extra[0]}\n| --- | --- | --- | --- |{extra[1]}")
+    for gate in ("kda", "gdn"):
+        pool = Pool(8 * max(args.batch) + 1, 32, device=dev, gate=gate)
+        for batch in args.batch:
+            idx = [s.to(torch.int32) for s in slot_sets(8, batch, 0, dev)]
+            call = call_for(pool, gate, batch, idx)
+            for cap in args.maxnreg:
+                samples, _ = time_calls_kernel(lambda s: call(s, cap or None), 8, args.repeats, dev)
+                bound = f" {bound_us(gate, batch):.1f} |" if bound_us else ""
+                print(f"| {gate} | {cap or 'none'} | {batch} | {_percentile(samples, 50):.1f} |{bound}", flush=True)
+        pool = None  # noqa: F841
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     args = probe_args([64, 256, 512])
     if args.cmd == "static":
         print_static(compile_static, args.capability, args.maxnreg)
         return 0
     import torch
-    from leapquant.bench import _percentile, copy_bandwidth, slot_sets, time_calls_kernel
-    from leapquant.layout import Pool, due_program_bytes
+    from leapquant.bench import copy_bandwidth
+    from leapquant.layout import due_program_bytes
     dev = torch.device("cuda")
-    for gate in ("kda", "gdn"):
-        print(check(gate, dev), flush=True)
     bw, _ = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    print("| gate | maxnreg | batch | us | a whole flush's bound us |\n| --- | --- | --- | --- | --- |")
-    for gate in ("kda", "gdn"):
-        pool = Pool(8 * max(args.batch) + 1, 32, device=dev, gate=gate)
+    def call_for(pool, gate, batch, idx):
         g = torch.Generator(device=dev).manual_seed(0)
-        for batch in args.batch:
-            idx = [s.to(torch.int32) for s in slot_sets(8, batch, 0, dev)]
-            tok = [(torch.randn(batch, 32, R, K + V, generator=g, device=dev) * 0.1).half() for _ in range(8)]
-            for cap in args.maxnreg:
-                samples, _ = time_calls_kernel(lambda s: launch(pool, idx[s], tok[s], cap or None), 8, args.repeats,
-                                               dev)
-                med = _percentile(samples, 50)
-                bound = batch * 32 * due_program_bytes(gate) / bw * 1e6
-                print(f"| {gate} | {cap or 'none'} | {batch} | {med:.1f} | {bound:.1f} |", flush=True)
-        pool = None  # noqa: F841
-        torch.cuda.empty_cache()
+        tok = [(torch.randn(batch, 32, R, K + V, generator=g, device=dev) * 0.1).half() for _ in range(8)]
+        return lambda s, cap: launch(pool, idx[s], tok[s], cap)
+    time_mode(args, check, call_for, lambda gate, batch: batch * 32 * due_program_bytes(gate) / bw * 1e6)
     return 0
 
 
