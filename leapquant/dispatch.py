@@ -3,7 +3,7 @@
 Every backend implements the same call, ``flush(pool, idx, q0) -> None`` (the pool updated in place; arguments
 already validated), and says why it cannot serve a pool through ``reasons(pool) -> list[str]`` (empty: it can).
 The decode step is a second op with the same rules: a backend's optional ``step(pool, idx, qkv, a, b, A_log, dt_bias,
-out, num_k_heads, beta_bf16) -> None`` (None: it has no step kernel yet, which is then its reason), and optionally its
+out, num_k_heads, beta_bf16) -> None`` (None: it has no step kernel, which is then its reason), and optionally its
 own ``step_reasons(pool)`` (default: the flush's ``reasons``). :func:`select` and :func:`reasons` take ``op="flush"``
 or ``op="step"`` (default ``"flush"``, so every flush call reads as before).
 
@@ -73,7 +73,7 @@ class Backend:
     warmup: Callable[[Pool], None] | None = None
     versions: Callable[[], dict[str, str]] = field(default=lambda: {})
     #: the decode step on a pool (arguments validated, ``out`` given): ``step(pool, idx, qkv, a, b, A_log, dt_bias,
-    #: out, num_k_heads, beta_bf16) -> None``; None: no step kernel yet
+    #: out, num_k_heads, beta_bf16) -> None``; None: no step kernel
     step: Callable[..., None] | None = None
     #: why the step cannot serve a pool, where it differs from ``reasons`` (None: the flush's reasons apply)
     step_reasons: Callable[[Pool], list[str]] | None = None
@@ -141,7 +141,8 @@ def reasons(name: str, pool: Pool, op: str = "flush") -> list[str]:
     if b is None:
         return [_IMPORT_ERRORS.get(name, f"backend {name!r} is not registered")]
     if op == "step" and b.step is None:
-        return [f"{name} has no step kernel yet (the decode step is served by the reference only)"]
+        return [f"{name} has no step kernel (a call that forces it cannot step; with no backend forced each op "
+                "picks its own)"]
     check = b.step_reasons if op == "step" and b.step_reasons is not None else b.reasons
     try:
         return list(check(pool))

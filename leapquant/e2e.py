@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from . import dispatch
 from . import reference as ref
 from .numerics import K, L, V
 
@@ -133,8 +135,12 @@ def dense_step(S: torch.Tensor, tok: dict[str, torch.Tensor], A_log: torch.Tenso
 @dataclass
 class Result:
     """The errors of one simulated decode: ``errors[method]`` the relative error of o over the last ``last``
-    tokens (all sequences and heads), ``worst_head[method]`` the largest of the same per head; ``padding_zero``: the
-    padding row's output was exactly zero at every token; ``finite``: every output of every method was finite."""
+    tokens (all sequences and heads), ``worst_head[method]`` the largest of the same per head; ``windows[i][method]``
+    the relative error over decode tokens ``i L .. (i + 1) L - 1`` (every window of the run, the last one possibly
+    shorter); ``backends``: the backend that served each op (``step``, ``flush``); ``padding_zero``: the padding row's
+    output was exactly zero at every token; ``finite``: every output of every method was finite; ``seconds``: wall
+    time of the pool's calls (one :func:`leapquant.decode_inplace` per token, each followed by a device
+    synchronisation), ``token_seconds`` the median of one call (which the first call's compilation does not move)."""
     gate: str
     backend: str
     device: str
@@ -147,9 +153,12 @@ class Result:
     seed: int
     errors: dict[str, float]
     worst_head: dict[str, float]
+    windows: list[dict[str, float]]
+    backends: dict[str, str]
     padding_zero: bool
     finite: bool
     seconds: float
+    token_seconds: float
 
     @property
     def passed(self) -> bool:
@@ -214,6 +223,7 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
         pool.reset_slots(slots)
         pool.encode(slots, prefill_state)
         q0 = lq.default_q0(device)
+        backends = {op: dispatch.select(pool, rows, backend, op=op).name for op in ("step", "flush")}
 
         width = 2 * hk * K + heads * V
         qkv_buf = torch.zeros(rows, width + EXTRA_QKV_COLUMNS, dtype=torch.bfloat16, device=device)
@@ -225,9 +235,12 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
 
         err_sq = {m: torch.zeros(heads, dtype=torch.float64, device=device) for m in METHODS}
         ref_sq = torch.zeros(heads, dtype=torch.float64, device=device)
+        n_windows = -(-tokens // L)
+        win_err_sq = torch.zeros(n_windows, len(METHODS), dtype=torch.float64, device=device)
+        win_ref_sq = torch.zeros(n_windows, dtype=torch.float64, device=device)
         padding_bad = torch.zeros((), dtype=torch.bool, device=device)
         not_finite = torch.zeros((), dtype=torch.bool, device=device)
-        pool_seconds = 0.0
+        call_seconds = []
         for t in range(tokens):
             tok = on_device(layer.tokens(batch))
             junk = on_device(layer.tokens(1))           # what a padding row may hold: ignored by the step
@@ -244,7 +257,7 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
                               backend=backend)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            pool_seconds += time.perf_counter() - t0
+            call_seconds.append(time.perf_counter() - t0)
             padding_bad |= (out[pad_row] != 0).any()
 
             o64 = dense_step(S64, tok, A_log, dt_bias, gate)
@@ -255,6 +268,9 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
             outs = {"leapquant": out[seq_rows], "fp32 state": o32, "bf16 state": o16}
             for o in outs.values():
                 not_finite |= ~torch.isfinite(o).all()
+            win_ref_sq[t // L] += o64.square().sum()
+            for i, o in enumerate(outs.values()):
+                win_err_sq[t // L, i] += (o.double() - o64).square().sum()
             if t >= tokens - last:
                 ref_sq += o64.square().sum(dim=(0, 2))
                 for m, o in outs.items():
@@ -262,10 +278,14 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
 
     errors = {m: math.sqrt(float(err_sq[m].sum()) / float(ref_sq.sum())) for m in METHODS}
     worst = {m: float((err_sq[m] / ref_sq.clamp_min(1e-300)).sqrt().max()) for m in METHODS}
+    win_rel = (win_err_sq / win_ref_sq.clamp_min(1e-300).unsqueeze(1)).sqrt().cpu()
+    windows = [dict(zip(METHODS, map(float, row))) for row in win_rel]
     chosen = backend if backend is not None else "auto"
     return Result(gate=gate, backend=chosen, device=str(device), batch=batch, heads=heads, k_heads=hk,
                   tokens=tokens, last=last, prefill=prefill, seed=seed, errors=errors, worst_head=worst,
-                  padding_zero=not bool(padding_bad), finite=not bool(not_finite), seconds=pool_seconds)
+                  windows=windows, backends=backends, padding_zero=not bool(padding_bad),
+                  finite=not bool(not_finite), seconds=sum(call_seconds),
+                  token_seconds=statistics.median(call_seconds))
 
 
 # ---- the record ----------------------------------------------------------------------------------------------------
@@ -304,7 +324,8 @@ def render(results: list[Result], *, device: str, commit: str, command: str) -> 
         "inputs, the prefill state and the metric are described in `leapquant/e2e.py`.",
         "",
         f"- device: {device}",
-        f"- backend: {r0.backend}",
+        f"- backend: {r0.backend} (" + "; ".join(f"{r.gate}: step {r.backends['step']}, flush {r.backends['flush']}"
+                                                 for r in results) + ")",
         f"- versions: python {v['python']}, torch {v['torch']}, triton {v['triton']}, tilelang {v['tilelang']}",
         f"- commit: {commit}",
         f"- run: batch {r0.batch} sequences (shuffled slots, one padding row), {gates}, prefill {r0.prefill} tokens, "
