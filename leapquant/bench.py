@@ -859,12 +859,12 @@ def _argv(argv: Sequence[str] | None) -> list[str]:
 #: the header's description of each --timer on a GPU, and the short form in the plot's title
 TIMING_LONG = {
     "kernel": "CUDA kernel time from torch.profiler: per call, first kernel start to last kernel end, replaying a CUDA "
-              "graph of one flush_inplace call (markers between calls); the reference (host-synchronising) with CUDA "
+              "graph of one {call} call (markers between calls); the reference (host-synchronising) with CUDA "
               "events around the eager call",
-    "graph": "per call, CUDA events around the replay of a CUDA graph holding one flush_inplace call (launches queued "
+    "graph": "per call, CUDA events around the replay of a CUDA graph holding one {call} call (launches queued "
              "behind a sleep kernel; includes the replay's launch overhead)",
     "eager": "per call, CUDA events around the eager call (launches queued behind a sleep kernel)",
-    "wall": "host wall-clock per eager call of leapquant.flush_inplace (argument checks, dispatch and launch "
+    "wall": "host wall-clock per eager call of leapquant.{call} (argument checks, dispatch and launch "
             "included): runs of 16 back-to-back calls, synchronised after each run",
 }
 TIMING_SHORT = {"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay, events", "eager": "eager, events",
@@ -957,10 +957,21 @@ def environment(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[
     bw, bw_how = copy_bandwidth(device)
     floor_us = timer_floor(device, args.timer)
     described = leapquant.device_description(device)
-    check = (f"SPEC section 3 criterion (leapquant.criterion.judge) on every family of leapquant.families: "
-             f"{args.check_rows} distinct rows x {args.heads} heads per gate (seed {args.seed}) tiled to the batch, "
-             f"run through the same pool and deployment call as the timing; `worst ratio` is the largest err / bound "
-             f"over the heads (pass <= 1)" if args.refcheck else "not checked (--no-refcheck)")
+    op = getattr(args, "op", "flush")
+    if not args.refcheck:
+        check = "not checked (--no-refcheck)"
+    elif op == "flush":
+        check = (f"SPEC section 3 criterion (leapquant.criterion.judge) on every family of leapquant.families: "
+                 f"{args.check_rows} distinct rows x {args.heads} heads per gate (seed {args.seed}) tiled to the "
+                 f"batch, run through the same pool and deployment call as the timing; `worst ratio` is the largest "
+                 f"err / bound over the heads (pass <= 1)")
+    else:
+        check = (f"SPEC section 7 criterion (leapquant.criterion.judge_step, element-wise against fp64) on every "
+                 f"family of leapquant.step_families: {args.check_rows} distinct rows x {args.heads} heads per gate "
+                 f"(seed {args.seed}) tiled to the batch, one step_inplace through the row's backend on the same "
+                 f"pool as the timing" + ("" if op == "step" else " (the decode's flush is judged by the flush's "
+                                          "record)") + "; `worst ratio` is the largest err / bound (pass <= 1)")
+    call = {"flush": "flush_inplace", "step": "step_inplace", "decode": "decode_inplace"}[op]
     return dict(
         device=described.split(" (")[0] if on_gpu else described,
         device_long=described,
@@ -972,8 +983,8 @@ def environment(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         rotate=args.rotate, load=load,
         command="leapquant bench " + " ".join(shlex.quote(a) for a in _argv(argv)),
-        op=getattr(args, "op", "flush"),
-        timing_long=(TIMING_LONG[args.timer] + " (the row's `timing` column in the CSV says which)" if on_gpu else
+        op=op,
+        timing_long=(TIMING_LONG[args.timer].format(call=call) + " (the row's `timing` column in the CSV says which)" if on_gpu else
                      "wall-clock per call on the CPU (not kernel times)"),
         timing_short=TIMING_SHORT[args.timer] if on_gpu else "CPU wall-clock",
         check_long=check,
