@@ -120,8 +120,8 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
     The checks read metadata only (no host synchronisation; idx's values only with ``check_idx`` or
     ``LEAPQUANT_CHECK_IDX``, as :func:`flush_inplace`, which then also checks that no stepped program is due with a
     window no flush has folded); bad arguments raise ``ValueError`` naming the argument before anything is written.
-    ``out`` may not share memory with anything the step reads (the inputs, the pool). backend: as :func:`flush_inplace`; a backend without a step kernel cannot serve (today only
-    the reference, which synchronises)."""
+    ``out`` may not share memory with anything the step reads (the inputs, the pool). backend: as
+    :func:`flush_inplace`; a backend without a step kernel (TileLang) cannot serve the step."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
     chosen = dispatch.select(pool, idx.numel(), backend, op="step")
     return _launch_step(chosen, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)

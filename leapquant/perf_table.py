@@ -27,5 +27,5 @@ OTHERS: tuple[str, ...] = ("triton",)
 
 def preferred(pool: "Pool", num_rows: int) -> list[str]:
     """GPU backends in order of preference for a call of ``num_rows`` rows on ``pool``'s device (the measured order
-    does not depend on the batch today; the argument keeps the choice free to)."""
+    does not depend on the batch at the measured points; the argument keeps the choice free to)."""
     return list(PREFERRED.get(torch.cuda.get_device_capability(pool.device), OTHERS))

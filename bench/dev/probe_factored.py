@@ -137,7 +137,7 @@ def compress_factored(S: torch.Tensor, F: Factored | None, q0: torch.Tensor, n: 
 
 
 VARIANTS = {   # name: (products from the factored form, digits, U after Q's second factor)
-    "CholeskyQR, dense products (today's kernels)": (False, 0, False),
+    "CholeskyQR, dense products (the shipped kernels)": (False, 0, False),
     "factored, 4 digits": (True, 4, False),
     "factored, 4 digits, U after Q's second factor": (True, 4, True),
     "factored, 3 digits, U after Q's second factor": (True, 3, True),
