@@ -4,6 +4,8 @@
 ``op="step"``."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import dispatch
@@ -48,16 +50,24 @@ def warmup(pool: Pool, *, backend: str | None = None) -> str:
     return b.name
 
 
-_POOLS: dict[tuple, Pool] = {}
+#: scratch pools the functional forms keep per thread: those of the most recent shapes (B, H, device, gate)
+SCRATCH_POOLS = 2
+_SCRATCH = threading.local()
 
 
 def _scratch_pool(B: int, H: int, device: torch.device, gate: str) -> Pool:
+    """A pool of ``B + 1`` slots for one functional call: the calling thread's own (threads never share one), reused
+    for the thread's last :data:`SCRATCH_POOLS` shapes and released beyond them."""
+    pools = getattr(_SCRATCH, "pools", None)
+    if pools is None:
+        pools = _SCRATCH.pools = {}
     key = (B, H, str(device), gate)
-    pool = _POOLS.get(key)
+    pool = pools.pop(key, None)
     if pool is None:
-        if len(_POOLS) > 8:
-            _POOLS.clear()
-        pool = _POOLS[key] = Pool(B + 1, H, device=device, gate=gate)
+        pool = Pool(B + 1, H, device=device, gate=gate)
+    pools[key] = pool                                   # (insertion order: the most recent last)
+    while len(pools) > SCRATCH_POOLS:
+        del pools[next(iter(pools))]
     return pool
 
 
@@ -79,7 +89,11 @@ def run(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tens
     codes int8 [B, H, V, K], s_k fp32 [B, H, K], s_v fp32 [B, H, V], u fp16 [B, H, R, K], q fp16 [B, H, R, V],
     kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32 [B, H, L], pcum fp32 [B, H, K],
     q0 fp32 [V, R]. Returns fresh ``(codes, s_k, s_v, u, q)`` of the same shapes and dtypes (a program whose window
-    is empty, ``reference.empty_window``, gets its own checkpoint back unchanged)."""
+    is empty, ``reference.empty_window``, gets its own checkpoint back unchanged).
+
+    The functional forms (:func:`run`, :func:`run_gdn`, :func:`step`, :func:`step_gdn`) go through a scratch pool of
+    ``B + 1`` slots that each thread keeps for its last :data:`SCRATCH_POOLS` shapes: threads may call them at once;
+    an engine serves from its own pool with the ``*_inplace`` calls instead."""
     return _run("kda", dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, kbuf=kbuf, ubuf=ubuf, gbuf=gbuf, w=w,
                             pcum=pcum, q0=q0), backend)
 

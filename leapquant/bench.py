@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .options import UsageError, parse_device
+
 DUE_FRACTIONS = {"all": 1.0, "sixteenth": 1.0 / 16.0, "none": 0.0}
 DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
 DEFAULT_CPU_BATCHES = (1, 2)
@@ -877,10 +879,6 @@ HISTORY_COLUMNS = ("commit", "date", "gpu", "backend", "gate", "batch", "heads",
                    "verdict", "op")
 
 
-class UsageError(ValueError):
-    """Options that cannot run (exit status EXIT_USAGE)."""
-
-
 @dataclass
 class Plan:
     """The resolved options of one run: the device, the batches and the timed calls per point."""
@@ -904,10 +902,7 @@ def _rerun_interpreted(argv: Sequence[str] | None) -> int:
 def plan_run(args: argparse.Namespace) -> Plan:
     """Resolve the device, the batches and the repeats from ``args``; raise :class:`UsageError` for options that
     cannot run."""
-    import torch
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = parse_device(args.device)
     if args.rotate < 8:
         raise UsageError("--rotate must be at least 8 (L2-cold timing)")
     on_gpu = device.type == "cuda"

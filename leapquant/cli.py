@@ -14,12 +14,9 @@ import sys
 import time
 
 from . import dispatch
+from .options import UsageError, parse_device
 
 EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A command's argument that argparse could not check (a device that does not exist here, ...)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,21 +41,8 @@ def _count(minimum: int):
 
 
 def _device(args: argparse.Namespace):
-    """The torch device of ``--device`` (default: cuda when available, else cpu), checked to exist here."""
-    import torch
-    if args.device is None:
-        return dispatch.default_device()
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, ValueError) as e:
-        raise UsageError(f"--device {args.device!r}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device!r}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {args.device!r}: leapquant runs on cpu or cuda devices")
-    return device
+    """The torch device of ``--device``, checked to exist here (:func:`leapquant.options.parse_device`)."""
+    return parse_device(args.device)
 
 
 # ---- info ----------------------------------------------------------------------------------------------------------

@@ -309,7 +309,11 @@ class Pool:
         for name in self.WINDOW_FIELDS[gate]:            # shapes, dtypes and empty values: FIELDS
             f = FIELDS[name]
             setattr(self, name, take(name, (NS, H) + f.shape, f.dtype, f.empty))
+        check_own_buffers(self)
         self._make_views()
+        #: each own buffer's start address modulo ALIGN_BYTES (raw, then the window's): a backend may refuse a pool
+        #: whose buffers sit off that boundary; the calls' pool check keeps it current when a buffer is swapped
+        self.alignment = buffer_alignment(self)
 
     # ---- views of raw ----------------------------------------------------------------------------------------------
     def _make_views(self) -> None:
@@ -530,6 +534,35 @@ def check_tensor(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtyp
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected device {device}{f' ({whose})' if whose else ''}, got {t.device}")
     return t
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses that ``t``'s elements occupy (an empty tensor: an empty span)."""
+    n = t.numel()
+    if n == 0:
+        return 0, 0
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + n * t.element_size()
+    last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()) if size > 1)
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_own_buffers(pool: "Pool") -> None:
+    """Raise ``ValueError`` naming two of the pool's buffers (raw and the window's) whose bytes intersect: an engine's
+    buffers must not share memory (a kbuf that is also the ubuf would take the step's u_new over its kn)."""
+    names = ("raw", *WINDOW_FIELDS[pool.gate])
+    spans = [(n, byte_span(getattr(pool, n))) for n in names]
+    for i, (n1, (a0, a1)) in enumerate(spans):
+        for n2, (b0, b1) in spans[i + 1:]:
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"pool.{n2}: shares memory with pool.{n1} (every buffer of a pool needs its own "
+                                 f"bytes)")
+
+
+def buffer_alignment(pool: "Pool") -> tuple[int, ...]:
+    """Each of the pool's own buffers' (raw, then the window's) start address modulo :data:`ALIGN_BYTES`."""
+    return tuple(getattr(pool, n).data_ptr() % ALIGN_BYTES for n in ("raw", *WINDOW_FIELDS[pool.gate]))
 
 
 def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:

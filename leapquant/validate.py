@@ -16,7 +16,8 @@ import weakref
 
 import torch
 
-from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, check_dense, check_tensor, raw_words)
+from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, buffer_alignment, byte_span, check_dense,
+                     check_own_buffers, check_tensor, raw_words)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -71,8 +72,10 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev)
     if pool.codes.data_ptr() != pool.raw.data_ptr() + 4 * OFF + CODES_BYTE:
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
+    check_own_buffers(pool)
+    pool.alignment = buffer_alignment(pool)
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
-    _CHECKED[pool] = (key, {f"pool.{n}": _byte_span(t) for n, t in zip(names, key)}, _addresses(key))
+    _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, _addresses(key))
     return pool
 
 
@@ -117,23 +120,11 @@ def check_windows_folded(pool: Pool, idx: torch.Tensor) -> None:
                          f"has not folded; run flush_inplace before its next step (decode_inplace does both)")
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) byte addresses that ``t``'s elements occupy (an empty tensor: an empty span)."""
-    n = t.numel()
-    if n == 0:
-        return 0, 0
-    start = t.data_ptr()
-    if t.is_contiguous():
-        return start, start + n * t.element_size()
-    last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()) if size > 1)
-    return start, start + (last + 1) * t.element_size()
-
-
 def _first_overlap(x: torch.Tensor, others: dict[str, tuple[int, int]]) -> str | None:
     """The name of the first span in ``others`` that intersects ``x``'s bytes (all on one device: a device's
     allocations never share addresses, so intersecting spans are shared memory; two interleaved views whose spans
     intersect count as overlapping), or None."""
-    a0, a1 = _byte_span(x)
+    a0, a1 = byte_span(x)
     for name, (b0, b1) in others.items():
         if a0 < b1 and b0 < a1:
             return name
@@ -310,9 +301,9 @@ def check_step_args(pool: object, idx: object, qkv: object, a: object, b: object
         if not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
         # the step reads every input while it writes out (the kernels' programs in any order): out may not overlap any
-        shared = _first_overlap(out, {"idx": _byte_span(idx), "qkv": _byte_span(qkv), "a": _byte_span(a),
-                                      "b": _byte_span(b), "A_log": _byte_span(A_log),
-                                      "dt_bias": _byte_span(dt_bias), **_pool_spans(pool)})
+        shared = _first_overlap(out, {"idx": byte_span(idx), "qkv": byte_span(qkv), "a": byte_span(a),
+                                      "b": byte_span(b), "A_log": byte_span(A_log),
+                                      "dt_bias": byte_span(dt_bias), **_pool_spans(pool)})
         if shared is not None:
             raise ValueError(f"out: shares memory with {shared} (the step reads it while it writes out)")
     check_flag("beta_bf16", beta_bf16)

@@ -190,7 +190,7 @@ def test_a_pool_on_another_gpu_is_served_there(backend):
 def test_functional_forms_inside_and_outside_inference_mode(gate, backend):
     """The functional forms keep a scratch pool per geometry: one first made under inference mode serves later calls
     outside it (and the other way round), with the same results."""
-    api._POOLS.clear()                                  # (the scratch pools: made afresh, inside the mode first)
+    api._SCRATCH.pools = {}                             # (the scratch pools: made afresh, inside the mode first)
     step_case = sf.make_step_case(2, H, gate, seed=5).to(DEVICE)
     flush_case = families.make_case(2, H, gate, seed=5).to(DEVICE)
     results = []
@@ -234,3 +234,76 @@ def test_a_misaligned_raw_is_refused():
     arena = torch.zeros(words + 1)
     with pytest.raises(ValueError, match="raw: expected a start on a 16-byte boundary"):
         lq.Pool(2, 1, raw=arena[1:])
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_pool_buffers_that_share_memory_are_refused(gate):
+    """An engine's buffers for one pool must not share bytes (kbuf and ubuf have the same shape and dtype; one
+    tensor passed as both would take the step's u_new over its kn): a ValueError naming both, at construction and,
+    for a buffer swapped in later, at the next call, before anything is written."""
+    NS = 3
+    kb = torch.zeros(NS, H, L, K, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"pool\.ubuf: shares memory with pool\.kbuf"):
+        lq.Pool(NS, H, gate=gate, device=DEVICE, kbuf=kb, ubuf=kb)
+    raw = torch.zeros(lq.layout.raw_words(NS, H), device=DEVICE)
+    w_in_raw = raw[: NS * H * L].view(NS, H, L)                   # the weights inside the checkpoints' words
+    with pytest.raises(ValueError, match=r"pool\.w: shares memory with pool\.raw"):
+        lq.Pool(NS, H, gate=gate, device=DEVICE, raw=raw, w=w_in_raw)
+    pool = _pool(gate)
+    before = snapshot(pool)
+    pool.ubuf = pool.kbuf                                         # swapped after construction
+    t = _token(gate)
+    with pytest.raises(ValueError, match=r"pool\.ubuf: shares memory with pool\.kbuf"):
+        lq.step_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"])
+    pool.ubuf = before["ubuf"].clone()
+    assert all(torch.equal(before[n], x) for n, x in snapshot(pool).items())
+
+
+def test_the_backend_choice_is_checked_for_each_pools_alignment(monkeypatch):
+    """The dispatch remembers its choice per geometry; a backend's capability check also reads where the pool's
+    buffers start (TileLang refuses buffers off a 16-byte boundary). A second pool of the same geometry whose gbuf an
+    engine placed 2 bytes into its own allocation gets its own check: a backend refusing it is not chosen from the
+    first pool's answer, and forcing it raises."""
+    from leapquant.layout import ALIGN_BYTES
+    monkeypatch.setattr(dispatch, "_CHOSEN", {})
+    NS = 3
+    aligned = lq.Pool(NS, H, device=DEVICE)
+    arena = torch.ones(NS * H * L * K + 1, dtype=torch.float16, device=DEVICE)
+    shifted = lq.Pool(NS, H, device=DEVICE, gbuf=arena[1:].view(NS, H, L, K))
+    assert shifted.gbuf.data_ptr() % ALIGN_BYTES and not any(aligned.alignment)
+
+    def aligned_only(pool):
+        return ["a buffer off the 16-byte boundary"] if any(pool.alignment) else []
+    ref = dispatch.get_backend("reference")
+    monkeypatch.setitem(dispatch._REGISTRY, "tilelang", dispatch.Backend("tilelang", flush=ref.flush,
+                                                                          reasons=aligned_only))
+    assert dispatch.select(aligned, 2, "tilelang").name == "tilelang"
+    with pytest.raises(lq.BackendUnavailable, match="off the 16-byte boundary"):
+        dispatch.select(shifted, 2, "tilelang")
+    monkeypatch.setattr(dispatch, "_auto_order", lambda pool, rows, op: ["tilelang", "reference"])
+    assert dispatch.select(aligned, 2).name == "tilelang"
+    assert dispatch.select(shifted, 2).name == "reference"
+
+
+def test_functional_forms_from_two_threads_at_once():
+    """Two threads calling the functional flush with the same shapes and different inputs each get their own
+    results (each thread has its own scratch pools), and a thread keeps at most ``api.SCRATCH_POOLS`` of them."""
+    import threading
+    cases = [families.make_case(2, H, "kda", seed=s) for s in (1, 2)]
+    want = [lq.run(*c.args(), backend="reference") for c in cases]
+    wrong = []
+
+    def worker(i: int) -> None:
+        for _ in range(12):
+            got = lq.run(*cases[i].args(), backend="reference")
+            if not all(torch.equal(x, y) for x, y in zip(got, want[i])):
+                wrong.append(i)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, f"{len(wrong)} of 24 concurrent calls returned another thread's results"
+    for B in (1, 3, 4):
+        lq.run(*families.make_case(B, H, "kda", seed=0).args(), backend="reference")
+    assert len(api._SCRATCH.pools) == api.SCRATCH_POOLS

@@ -212,6 +212,16 @@ def test_demo_library_errors_are_one_line():
         assert "decode: not run: the tilelang backend has no step kernel" in res.stdout, res.stdout
 
 
+@pytest.mark.parametrize("command", [("demo",), ("info",), ("bench", "--op", "flush"), ("bench", "--op", "step")])
+def test_every_command_rejects_devices_this_machine_lacks_on_one_line(command):
+    """``--device`` is one option for every command: a device that is no torch device, or is not here, is exit
+    status 2 and one line naming the option (not a traceback from deep inside)."""
+    _assert_usage_error(_run(*command, "--device", "bogus"), "--device 'bogus'")
+    _assert_usage_error(_run(*command, "--device", "meta"), "--device 'meta'", "cpu or cuda")
+    if not HAS_CUDA:
+        _assert_usage_error(_run(*command, "--device", "cuda"), "--device 'cuda'", "CUDA is not available")
+
+
 def test_demo_rejects_devices_this_machine_lacks():
     _assert_usage_error(_run("demo", "--device", "gpu0"), "--device 'gpu0'")
     if not HAS_CUDA:
