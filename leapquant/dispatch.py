@@ -82,9 +82,9 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 _LOGGED: set[tuple] = set()
-#: resolved choices per (device, gate, heads, requested name, rows, op, the buffers' alignment): the capability checks
-#: run once per geometry and alignment (a backend's reasons may read those and nothing else of a pool; two pools of
-#: one geometry may differ in alignment: ``Pool.alignment``)
+#: resolved choices per (device, gate, heads, requested name, rows, op): the capability checks run once per geometry
+#: (a backend's reasons read the pool's device and geometry, nothing else of it: every pool's buffers have the same
+#: alignment, :func:`leapquant.layout.check_dense`)
 _CHOSEN: dict[tuple, Backend] = {}
 _local = threading.local()
 
@@ -217,7 +217,7 @@ def select(pool: Pool, num_rows: int, backend: str | None = None, op: str = "flu
     """The backend that will run ``op`` (``"flush"``, the default, or ``"step"``) on ``num_rows`` rows of ``pool``."""
     _check_op(op)
     name = requested(backend)
-    key = (str(pool.device), pool.gate, pool.num_heads, name, num_rows, op, pool.alignment)
+    key = (str(pool.device), pool.gate, pool.num_heads, name, num_rows, op)
     chosen = _CHOSEN.get(key)
     if chosen is not None and _REGISTRY.get(chosen.name) is chosen:
         return chosen

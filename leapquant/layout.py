@@ -254,8 +254,9 @@ class Pool:
 
     ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything (windows empty: ``w = 0``,
     ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``). An engine that owns its buffers passes them by keyword
-    (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); ``raw`` may be a
-    view into a larger buffer (several layers' states in one allocation) that starts on a 16-byte boundary.
+    (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); each may be a view into
+    a larger buffer (several layers' states in one allocation) and must start on a 16-byte boundary, and no two may
+    share memory.
 
     The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`encode`,
     :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence; :meth:`copy_slots`: a fork)
@@ -302,7 +303,7 @@ class Pool:
             t = buffers.get(name)
             if t is None:
                 return torch.full(shape, fill, dtype=dtype, device=self.device)
-            check_dense(name, t, shape, dtype, self.device)
+            check_dense(name, t, shape, dtype, self.device, aligned=True)
             return t
 
         self.raw = take("raw", (raw_words(NS, H),), torch.float32, 0.0)
@@ -311,9 +312,6 @@ class Pool:
             setattr(self, name, take(name, (NS, H) + f.shape, f.dtype, f.empty))
         check_own_buffers(self)
         self._make_views()
-        #: each own buffer's start address modulo ALIGN_BYTES (raw, then the window's): a backend may refuse a pool
-        #: whose buffers sit off that boundary; the calls' pool check keeps it current when a buffer is swapped
-        self.alignment = buffer_alignment(self)
 
     # ---- views of raw ----------------------------------------------------------------------------------------------
     def _make_views(self) -> None:
@@ -560,16 +558,15 @@ def check_own_buffers(pool: "Pool") -> None:
                                  f"bytes)")
 
 
-def buffer_alignment(pool: "Pool") -> tuple[int, ...]:
-    """Each of the pool's own buffers' (raw, then the window's) start address modulo :data:`ALIGN_BYTES`."""
-    return tuple(getattr(pool, n).data_ptr() % ALIGN_BYTES for n in ("raw", *WINDOW_FIELDS[pool.gate]))
-
-
-def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``t`` is a dense (contiguous) tensor of this shape, dtype, device."""
+def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                aligned: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``t`` is a dense (contiguous) tensor of this shape, dtype, device
+    (and, where ``aligned``, starting on an :data:`ALIGN_BYTES` boundary: a pool's own buffers, which the GPU kernels
+    copy in 16-byte pieces)."""
     t = check_tensor(name, t, shape, dtype, device)
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
-    if name.endswith("raw") and t.data_ptr() % ALIGN_BYTES:
-        raise ValueError(f"{name}: expected a start on a {ALIGN_BYTES}-byte boundary (an engine's raw may be a view "
-                         f"into a larger buffer at such an offset), got address {t.data_ptr():#x}")
+    if aligned and t.data_ptr() % ALIGN_BYTES:
+        raise ValueError(f"{name}: expected a start on a {ALIGN_BYTES}-byte boundary (the GPU kernels copy it in "
+                         f"{ALIGN_BYTES}-byte pieces; an engine's buffer may be a view into a larger one at such an "
+                         f"offset), got address {t.data_ptr():#x}")

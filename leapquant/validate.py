@@ -16,8 +16,8 @@ import weakref
 
 import torch
 
-from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, buffer_alignment, byte_span, check_dense,
-                     check_own_buffers, check_tensor, raw_words)
+from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, byte_span, check_dense, check_own_buffers,
+                     check_tensor, raw_words)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -66,14 +66,13 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     if seen is not None and _same(seen[0], key) and seen[2] == _addresses(key):
         return pool
     NS, H, dev = pool.num_slots, pool.num_heads, pool.device
-    check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev)
+    check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev, aligned=True)
     for name in pool.WINDOW_FIELDS[pool.gate]:
         f = FIELDS[name]
-        check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev)
+        check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev, aligned=True)
     if pool.codes.data_ptr() != pool.raw.data_ptr() + 4 * OFF + CODES_BYTE:
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
     check_own_buffers(pool)
-    pool.alignment = buffer_alignment(pool)
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
     _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, _addresses(key))
     return pool

@@ -229,13 +229,6 @@ def test_raw_carved_out_of_a_larger_buffer(gate, backend):
     assert bool((arena[:lead] == 7.0).all()) and bool((arena[lead + words:] == 7.0).all()), "bytes outside the view"
 
 
-def test_a_misaligned_raw_is_refused():
-    words = lq.layout.raw_words(2, 1)
-    arena = torch.zeros(words + 1)
-    with pytest.raises(ValueError, match="raw: expected a start on a 16-byte boundary"):
-        lq.Pool(2, 1, raw=arena[1:])
-
-
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_pool_buffers_that_share_memory_are_refused(gate):
     """An engine's buffers for one pool must not share bytes (kbuf and ubuf have the same shape and dtype; one
@@ -259,30 +252,31 @@ def test_pool_buffers_that_share_memory_are_refused(gate):
     assert all(torch.equal(before[n], x) for n, x in snapshot(pool).items())
 
 
-def test_the_backend_choice_is_checked_for_each_pools_alignment(monkeypatch):
-    """The dispatch remembers its choice per geometry; a backend's capability check also reads where the pool's
-    buffers start (TileLang refuses buffers off a 16-byte boundary). A second pool of the same geometry whose gbuf an
-    engine placed 2 bytes into its own allocation gets its own check: a backend refusing it is not chosen from the
-    first pool's answer, and forcing it raises."""
-    from leapquant.layout import ALIGN_BYTES
-    monkeypatch.setattr(dispatch, "_CHOSEN", {})
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_pool_buffers_off_a_16_byte_boundary_are_refused(gate):
+    """The GPU kernels copy a pool's buffers in 16-byte pieces (the Gluon flush does not build for kbuf, ubuf or gbuf
+    pointers without that alignment): an engine's buffer placed one element into its own allocation is a ValueError
+    naming it, at construction and, swapped in later, at the next call (before anything is written) on every
+    backend."""
     NS = 3
-    aligned = lq.Pool(NS, H, device=DEVICE)
-    arena = torch.ones(NS * H * L * K + 1, dtype=torch.float16, device=DEVICE)
-    shifted = lq.Pool(NS, H, device=DEVICE, gbuf=arena[1:].view(NS, H, L, K))
-    assert shifted.gbuf.data_ptr() % ALIGN_BYTES and not any(aligned.alignment)
-
-    def aligned_only(pool):
-        return ["a buffer off the 16-byte boundary"] if any(pool.alignment) else []
-    ref = dispatch.get_backend("reference")
-    monkeypatch.setitem(dispatch._REGISTRY, "tilelang", dispatch.Backend("tilelang", flush=ref.flush,
-                                                                          reasons=aligned_only))
-    assert dispatch.select(aligned, 2, "tilelang").name == "tilelang"
-    with pytest.raises(lq.BackendUnavailable, match="off the 16-byte boundary"):
-        dispatch.select(shifted, 2, "tilelang")
-    monkeypatch.setattr(dispatch, "_auto_order", lambda pool, rows, op: ["tilelang", "reference"])
-    assert dispatch.select(aligned, 2).name == "tilelang"
-    assert dispatch.select(shifted, 2).name == "reference"
+    for name in ("raw", *lq.Pool.WINDOW_FIELDS[gate]):
+        f = lq.layout.FIELDS.get(name)
+        shape, dtype = ((lq.layout.raw_words(NS, H),), torch.float32) if name == "raw" else ((NS, H) + f.shape, f.dtype)
+        arena = torch.zeros(1 + torch.Size(shape).numel(), dtype=dtype, device=DEVICE)
+        cut = arena[1:].view(shape)                                # one element past an aligned start
+        assert cut.data_ptr() % lq.layout.ALIGN_BYTES
+        with pytest.raises(ValueError, match=f"{name}: expected a start on a 16-byte boundary"):
+            lq.Pool(NS, H, gate=gate, device=DEVICE, **{name: cut})
+    pool = _pool(gate)
+    before = snapshot(pool)
+    kept = pool.kbuf
+    pool.kbuf = torch.zeros(kept.numel() + 1, dtype=kept.dtype, device=DEVICE)[1:].view(kept.shape)
+    t = _token(gate)
+    for backend in STEP_BACKENDS:
+        with pytest.raises(ValueError, match="pool.kbuf: expected a start on a 16-byte boundary"):
+            lq.step_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], backend=backend)
+    pool.kbuf = kept
+    assert all(torch.equal(before[n], x) for n, x in snapshot(pool).items())
 
 
 def test_functional_forms_from_two_threads_at_once():

@@ -21,8 +21,8 @@ import weakref
 import torch
 
 from .. import dispatch
-from ..layout import GATES, Pool, buffer_alignment, on_pool_device
-from .config import ALIGN_BYTES, SUPPORTED_HEADS, FlushConfig, shared_bytes
+from ..layout import GATES, Pool, on_pool_device
+from .config import SUPPORTED_HEADS, FlushConfig, shared_bytes
 
 #: the tilelang releases the kernel is validated on, and how. "gpu": the GPU suite (every input family, both gates,
 #: heads 8 / 16 / 32, graph replay) and the benchmark ran with it on the H200. "build": the CPU tier
@@ -116,10 +116,6 @@ def reasons(pool: Pool) -> list[str]:
     problem = _nvcc_problem()
     if problem:
         why.append(problem)
-    misaligned = [name for name, rest in zip(("raw", *pool.WINDOW_FIELDS[pool.gate]), buffer_alignment(pool)) if rest]
-    if misaligned:
-        why.append(f"pool.{', pool.'.join(misaligned)} not {ALIGN_BYTES}-byte aligned (the kernel copies and reads "
-                   f"them in {ALIGN_BYTES}-byte pieces)")
     if not why:
         props = torch.cuda.get_device_properties(pool.device)
         cfg = config_for(pool)
