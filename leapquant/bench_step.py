@@ -25,9 +25,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .bench import Row, _fmt, _one_line, _percentile, slot_sets, time_calls, time_calls_kernel, time_calls_wall
+from .bench_common import Row, _fmt, _one_line, _percentile, slot_sets, time_calls, time_calls_kernel, time_calls_wall
 
-OPS = ("flush", "step", "decode")
+#: what `leapquant bench --op` times (dispatch.OPS: what a backend serves; decode = step + the flush it makes due)
+BENCH_OPS = ("flush", "step", "decode")
 DEFAULT_FILLS = (1, 15)
 FLA_STATES = {"fla-fp32": "float32", "fla-bf16": "bfloat16"}
 

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from leapquant import bench
+from leapquant import bench, bench_common
 
 HEADS = 2
 TINY = ["--heads", str(HEADS), "--check-rows", "1", "--repeats", "2", "--max-seconds", "2", "--device", "cpu",
@@ -227,11 +227,11 @@ def test_record_not_written_when_nothing_was_timed(tmp_path):
     assert not rec.exists()
 
 
-def _row(**kw) -> bench.Row:
+def _row(**kw) -> bench_common.Row:
     base = dict(backend="triton", gate="kda", batch=16, heads=32, due="all", due_programs=512, median_us=33.2049,
                 p20_us=33.1, p80_us=33.3, samples=40, timing="t", bound_us=6.9104, ratio=4.8, verdict="PASS",
                 worst_ratio=0.99)
-    return bench.Row(**{**base, **kw})
+    return bench_common.Row(**{**base, **kw})
 
 
 ENV = dict(device="NVIDIA H200", sm_count=132, bandwidth_gbs=4183.0, timer_floor_us=0.9, torch="2", triton="3",
@@ -303,7 +303,7 @@ def test_build_targets_and_execution_order(tmp_path):
 
 
 def test_slot_sets_are_disjoint_and_skip_slot_0():
-    sets = bench.slot_sets(8, 3, seed=0, device="cpu")
+    sets = bench_common.slot_sets(8, 3, seed=0, device="cpu")
     slots = torch.cat(sets)
     assert len(sets) == 8 and all(s.numel() == 3 for s in sets)
     assert sorted(slots.tolist()) == list(range(1, 25))

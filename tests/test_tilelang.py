@@ -91,6 +91,17 @@ def test_reasons_on_cpu_pool():
     assert any("CUDA" in w for w in why), why
 
 
+def test_use_kernel_serves_a_variant_in_a_block_only():
+    """The explicit hook for a kernel variant (bench/dev/tilelang_dev.py checks one through the public API with it):
+    inside the block the geometry's flushes get the given kernel, afterwards the one served before (here: none)."""
+    cfg = lq_tl.FlushConfig(32, "kda", "sm_90a", 132)
+    variant = object()
+    assert cfg not in lq_tl._KERNELS
+    with lq_tl.use_kernel(cfg, variant):
+        assert lq_tl._KERNELS[cfg] is variant
+    assert cfg not in lq_tl._KERNELS
+
+
 def test_reasons_decline_other_head_counts():
     for heads in (1, 4, 12, 24, 64):
         why = lq_tl.reasons(Pool(2, heads, device="cpu", gate="gdn"))

@@ -68,7 +68,7 @@ def launch(pool: Pool, idx: torch.Tensor) -> None:
 
 
 def main() -> None:
-    from leapquant.bench import _percentile, copy_bandwidth, slot_sets, time_calls_kernel
+    from leapquant.bench_common import _percentile, copy_bandwidth, slot_sets, time_calls_kernel
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256, 512])
     ap.add_argument("--repeats", type=int, default=30)

@@ -268,7 +268,7 @@ def time_mode(args, check, call_for, bound_us=None) -> None:
     register cap and batch, L2-cold (eight rotated slot sets), median of ``args.repeats``. ``call_for(pool, gate,
     batch, idx)`` gives the call of slot set s; ``bound_us(gate, batch)``, if given, a column of the bound."""
     import torch
-    from leapquant.bench import _percentile, slot_sets, time_calls_kernel
+    from leapquant.bench_common import _percentile, slot_sets, time_calls_kernel
     from leapquant.layout import Pool
     dev = torch.device("cuda")
     for gate in ("kda", "gdn"):
@@ -294,7 +294,7 @@ def main() -> int:
         print_static(compile_static, args.capability, args.maxnreg)
         return 0
     import torch
-    from leapquant.bench import copy_bandwidth
+    from leapquant.bench_common import copy_bandwidth
     from leapquant.layout import due_program_bytes
     dev = torch.device("cuda")
     bw, _ = copy_bandwidth(dev)

@@ -10,7 +10,7 @@ import argparse
 import torch
 
 import leapquant as lq
-from leapquant.bench import slot_sets
+from leapquant.bench_common import slot_sets
 from leapquant.bench_step import make_tokens, num_k_heads_for, tile_case
 from leapquant.layout import Pool
 from leapquant.step_families import make_step_case

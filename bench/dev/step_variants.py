@@ -1,4 +1,4 @@
-"""Times the Triton step kernels' variants on one GPU, L2-cold, CUDA kernel time (leapquant.bench.time_calls_kernel),
+"""Times the Triton step kernels' variants on one GPU, L2-cold, CUDA kernel time (leapquant.bench_common.time_calls_kernel),
 KDA and GDN, window at fill 1 and 15, every program stepping: the Gluon kernel (also under register caps, --maxnreg),
 another version of it from a file (--gluon-file, e.g. `git show <commit>:leapquant/triton/gluon_step_kernel.py`: an
 A/B on one machine; a kernel that takes ``num_rows`` is launched as a persistent grid of the programs resident at
@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from leapquant.bench import _percentile, slot_sets, time_calls_kernel
+from leapquant.bench_common import _percentile, slot_sets, time_calls_kernel
 from leapquant.bench_step import make_tokens, num_k_heads_for, tile_case
 from leapquant.layout import Pool, slot_stride, step_program_bytes
 from leapquant.step_families import make_step_case

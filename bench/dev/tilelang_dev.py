@@ -171,7 +171,7 @@ def _timing_pool(batch, gate, due):
 
 def _time_kernels(kernels, args):
     """Median CUDA-event time per call of each (name, compiled kernel), L2-cold in rotation over the slot sets."""
-    from leapquant.bench import time_calls
+    from leapquant.bench_common import time_calls
     results = {}
     for name, kern in kernels:
         times, method = time_calls(lambda s, kern=kern: args.call(kern, s), args.nsets, args.repeats,
@@ -255,15 +255,8 @@ def _verify_variant(mod, path, gates) -> bool:
     ok = True
     for gate in gates:
         cfg = lt.FlushConfig(32, gate, lt.ARCHS[(props.major, props.minor)], props.multi_processor_count)
-        saved = lt._KERNELS.get(cfg)
-        lt._KERNELS[cfg] = mod.compile_flush(mod.FlushConfig(32, gate, cfg.arch, cfg.num_sms))
-        try:
+        with lt.use_kernel(cfg, mod.compile_flush(mod.FlushConfig(32, gate, cfg.arch, cfg.num_sms))):
             v = _judge_case(families.make_case(8, 32, gate, seed=5).to(dev), f"{label(path)} {gate}")
-        finally:
-            if saved is None:
-                lt._KERNELS.pop(cfg)
-            else:
-                lt._KERNELS[cfg] = saved
         ok &= v.passed
         print(f"verify {label(path)} {gate}: {'PASS' if v.passed else 'FAIL'} worst score "
               f"{v.worst_score:.4f} :: {v.message}", flush=True)

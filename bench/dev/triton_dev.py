@@ -104,7 +104,7 @@ SLEEP_CYCLES = 20_000_000  #: ~10 ms at 2 GHz: the queue fills behind it
 
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second: the benchmark CLI's measurement."""
-    from leapquant.bench import copy_bandwidth as measure
+    from leapquant.bench_common import copy_bandwidth as measure
     return measure(torch.device("cuda"))[0]
 
 

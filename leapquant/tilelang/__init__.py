@@ -4,12 +4,14 @@ sm_90a (H100/H200) and sm_100a (B200). Importing this module registers the backe
     reasons(pool)   why the backend cannot serve ``pool`` (empty: it can)
     warmup(pool)    build (or load from TileLang's disk cache) the kernel for the pool's geometry, outside any capture
     flush(pool, idx, q0)   the deployment call; arguments already validated
+    use_kernel(cfg, kernel)   serve one geometry with another compiled kernel in a block (a variant under test)
 
 Compiled kernels are cached per (num_heads, gate, arch, SM count); the kernel takes the pool's size and the call's
 row count as run-time sizes, so one build serves every pool and batch of that geometry.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from typing import Iterator
 
 import torch
 
@@ -139,6 +142,25 @@ def kernel_for(pool: Pool):
                 from .kernel import compile_flush      # imports tilelang (seconds): only when a kernel is built
                 kern = _KERNELS[cfg] = compile_flush(cfg)
     return kern
+
+
+@contextlib.contextmanager
+def use_kernel(cfg: FlushConfig, kernel: object) -> Iterator[None]:
+    """Serve the pools of ``cfg`` with ``kernel`` (a compiled flush with the shipped kernel's arguments, e.g. a
+    variant built from another generator) inside the block, and with the kernel served before it afterwards. For
+    checking a variant through the public API (``bench/dev/tilelang_dev.py``); not thread-safe against flushes of the
+    same geometry in other threads."""
+    with _LOCK:
+        saved = _KERNELS.get(cfg)
+        _KERNELS[cfg] = kernel
+    try:
+        yield
+    finally:
+        with _LOCK:
+            if saved is None:
+                _KERNELS.pop(cfg, None)
+            else:
+                _KERNELS[cfg] = saved
 
 
 def warmup(pool: Pool) -> None:
