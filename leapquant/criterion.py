@@ -56,7 +56,7 @@ class Verdict:
         return self.passed
 
 
-def _fmt(h: tuple[int, ...], labels: Sequence[Sequence[str]] | None) -> str:
+def _head_name(h: tuple[int, ...], labels: Sequence[Sequence[str]] | None) -> str:
     if len(h) != 2:
         return str(h)
     lab = f" [{labels[h[0]][h[1]]}]" if labels is not None else ""
@@ -92,7 +92,7 @@ def judge(S: torch.Tensor, out: Sequence[torch.Tensor], ref: Sequence[torch.Tens
     worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), score.shape))
     ws = float(score.reshape(-1)[flat])
     kind = "relative" if bool(relative[worst]) else "absolute"
-    detail = (f"worst head {_fmt(worst, labels)} ({kind}): err {float(err[worst]):.4g}, reference err "
+    detail = (f"worst head {_head_name(worst, labels)} ({kind}): err {float(err[worst]):.4g}, reference err "
               f"{float(err_ref[worst]):.4g}, mean|S| {float(mean_abs[worst]):.4g}, score {ws:.4f} "
               f"(err / {'1.01 err_ref' if kind == 'relative' else '1e-3 mean|S|'})")
     nfail = int((score > 1).sum())

@@ -265,15 +265,6 @@ def _log_choice(pool: Pool, name: str, rejected: dict[str, list[str]], op: str =
                       + "); using the slow fp32 reference", RuntimeWarning, stacklevel=4)
 
 
-def all_backends() -> list[Backend | None]:
-    return [_load(n) for n in BACKENDS]
-
-
-def import_error(name: str) -> str | None:
-    _load(name)
-    return _IMPORT_ERRORS.get(name)
-
-
 # ---- the environment report (``leapquant info``): versions and availability without importing the backends ------
 def package_version(package: str) -> str | None:
     """The version of ``package`` without importing it: the imported module's own ``__version__`` where it is already

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch
+from . import bench, dispatch
 from . import reference as ref
 from .numerics import K, L, V
 
@@ -289,12 +289,6 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
 
 
 # ---- the record ----------------------------------------------------------------------------------------------------
-def git_commit(default: str = "unknown") -> str:
-    """The checkout's short commit (leapquant.bench.git_commit: one definition)."""
-    from .bench import git_commit as commit
-    return commit(default)
-
-
 def markdown_table(results: list[Result]) -> str:
     """The table ``gate | method | relative error of o over the last N tokens | worst head | / bf16 state`` of
     ``results`` (one row per gate and method; the last column: the error over the bf16 state's)."""
@@ -370,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.summary()} [{time.perf_counter() - t0:.1f} s, {r.seconds:.1f} s in decode_inplace]", flush=True)
         results.append(r)
     command = "python -m leapquant.e2e " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = render(results, device=device_description(device), commit=args.commit or git_commit(), command=command)
+    report = render(results, device=device_description(device), commit=args.commit or bench.git_commit(),
+                    command=command)
     print(markdown_table(results), end="")
     if args.out:
         out = Path(args.out)

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .layout import K, L, QMAX, R, V, Pool
+from .layout import CHECKPOINT_FIELDS, K, L, QMAX, R, V, Pool
 from .reference import compress, decode_checkpoint, default_q0, rebuild
 
 EDGE_FAMILIES = ("window_rank1", "window_rank2", "zero", "scaled_zero", "scaled_zero_window", "tiny", "tiny_decayed", "huge", "rank1_noise", "decayed", "never_decay",
@@ -235,7 +235,6 @@ def simulate_window(checkpoint: Sequence[torch.Tensor], gate: str, g: torch.Gene
 
 
 # ---- the case ----------------------------------------------------------------------------------------------------
-CHECKPOINT_NAMES = ("codes", "s_k", "s_v", "u", "q")
 
 
 class CaseTensors:
@@ -271,7 +270,7 @@ class Case(CaseTensors):
     _ref: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     def checkpoint(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.tensors[n] for n in CHECKPOINT_NAMES)
+        return tuple(self.tensors[n] for n in CHECKPOINT_FIELDS)
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """Positional arguments of leapquant.run (KDA) or leapquant.run_gdn (GDN), in their order."""
@@ -293,7 +292,7 @@ class Case(CaseTensors):
         if self._exact is None:
             t = {k: v.cpu() for k, v in self.tensors.items()}
             gate = dict(pcum=t["pcum"], gbuf=t["gbuf"]) if self.gate == "kda" else dict(p=t["p"])
-            self._exact = rebuild(*(t[n] for n in CHECKPOINT_NAMES), t["kbuf"], t["ubuf"], t["w"], **gate,
+            self._exact = rebuild(*(t[n] for n in CHECKPOINT_FIELDS), t["kbuf"], t["ubuf"], t["w"], **gate,
                                   dtype=torch.float64)
         return self._exact
 
@@ -338,7 +337,7 @@ def make_case(batch: int, heads: int, gate: str = "kda", seed: int = 0, device: 
     for fam in dict.fromkeys(labels_flat):
         where = [i for i, lab in enumerate(labels_flat) if lab == fam]
         ck, win = _family(fam, len(where), gate, g, q0)
-        vals = dict(zip(CHECKPOINT_NAMES, ck), **win)
+        vals = dict(zip(CHECKPOINT_FIELDS, ck), **win)
         for j, i in enumerate(where):
             for k in names:
                 parts[k][i] = vals[k][j]

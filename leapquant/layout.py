@@ -180,7 +180,7 @@ def step_program_bytes(gate: str = "kda") -> int:
     return read + written
 
 
-def stage(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]],
+def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]],
           device: torch.device) -> list[torch.Tensor]:
     """Check and convert arguments before anything is written; raise ``ValueError`` naming the first bad one.
 
@@ -386,7 +386,7 @@ class Pool:
                           ) -> list[torch.Tensor]:
         lead = self._lead(s)
         given = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q)
-        return stage([(n, given[n], FIELDS[n], lead) for n in CHECKPOINT_FIELDS], self.device)
+        return check_and_convert([(n, given[n], FIELDS[n], lead) for n in CHECKPOINT_FIELDS], self.device)
 
     def _put_checkpoint(self, s: torch.Tensor, codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor,
                         u: torch.Tensor, q: torch.Tensor) -> None:
@@ -438,7 +438,7 @@ class Pool:
             raise ValueError(f"fill: expected an int in [{hc.lo}, {hc.hi}] (the window's fill count; {L} = due), "
                              f"got {fill!r}")
         gate_field = FIELDS["pcum" if self.gate == "kda" else "p"]
-        staged = stage([("kbuf", kbuf, FIELDS["kbuf"], lead), ("ubuf", ubuf, FIELDS["ubuf"], lead),
+        staged = check_and_convert([("kbuf", kbuf, FIELDS["kbuf"], lead), ("ubuf", ubuf, FIELDS["ubuf"], lead),
                         ("w", w, FIELDS["w"], lead), (gate_name, gate, gate_field, lead), *extra], self.device)
         self.kbuf[s], self.ubuf[s], self.w[s] = staged[:3]
         if self.gate == "kda":
@@ -454,7 +454,7 @@ class Pool:
         :func:`leapquant.reference.default_q0`); their windows are left as they are."""
         s = self._slots(slots)
         q0 = default_q0(self.device) if q0 is None else q0
-        S, q0 = stage([("states", states, Field(("V", "K"), torch.float32), self._lead(s)),
+        S, q0 = check_and_convert([("states", states, Field(("V", "K"), torch.float32), self._lead(s)),
                        ("q0", q0, Field(("V", "R"), torch.float32), ())], self.device)
         # compress's output goes through the same checks as a caller's checkpoint before anything is written
         self._put_checkpoint(s, *self._stage_checkpoint(s, *compress(S, q0)))

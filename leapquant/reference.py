@@ -3,13 +3,16 @@
 Every function works in the floating dtype it is given (fp32 is the reference; the tests also run it in fp64 to
 measure the reference's own rounding). Shapes carry any leading dims ``[...]`` (usually [B, H]).
 
-The flush of one program (one sequence and head):
+The flush of one program (one sequence and head), in the phases every kernel names the same way:
 
-1. rebuild the state ``S`` [V, K] from the old checkpoint and the window (:func:`rebuild`);
-2. one round of subspace iteration from ``q0``: ``P = orth(S^T q0)``, ``Q = orth(S P)``, ``U = S^T Q``;
-3. tokens ``u = U^T``, ``q = Q^T`` rounded to fp16;
-4. residual ``E = S - q^T u`` with the rounded tokens;
-5. smoothing scales ``s_k`` (per column) and ``s_v`` (per row), then ``codes = round_half_even(127 E / (s_k s_v))``.
+* **rebuild**: the state ``S`` [V, K] from the old checkpoint and the window (:func:`rebuild`);
+* **project** and **orthonormalise** (:func:`compress`): one round of subspace iteration from ``q0``,
+  ``P = orth(S^T q0)``, ``Q = orth(S P)``, ``U = S^T Q``;
+* **tokens** (:func:`tokens_and_codes`, as the next three): ``u = U^T``, ``q = Q^T`` rounded to fp16;
+* **residual**: ``E = S - q^T u`` with the rounded tokens;
+* **scales**: the smoothing scales ``s_k`` (per column) and ``s_v`` (per row);
+* **codes**: ``round_half_even(127 E / (s_k s_v))``;
+* **reset**: the window emptied (:func:`flush_inplace`).
 
 A due program whose window is empty (:func:`empty_window`: every weight 0, no decay) is not flushed: its checkpoint
 and window stay bitwise as they are (:func:`written_programs` lists the programs a flush rewrites).
@@ -30,8 +33,9 @@ from .numerics import EPS, FP16_MAX, GS_ABS_FLOOR, K, L, NORM_EPS, QMAX, R, SOFT
 if TYPE_CHECKING:                     # the pool is only read here: no import of the layout module (which imports this)
     from .layout import Pool
 
-#: Programs rebuilt at once by the reference flush: bounds its temporaries to ~64 MB per fp32 intermediate.
-CHUNK = 1024
+#: Programs rebuilt at once by the reference flush (and rows stepped at once, this over H): bounds its temporaries
+#: to ~64 MB per fp32 intermediate.
+PROGRAMS_AT_ONCE = 1024
 
 #: The autograd mode of every write into a pool (the reference's flush and step, the pool's helpers): inference mode.
 #: A pool is state, never part of an autograd graph: an input that requires grad (a model's ``nn.Parameter`` A_log,
@@ -88,7 +92,7 @@ def rebuild(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.
     return old + ubuf.to(dtype).transpose(-1, -2) @ keys
 
 
-def orthonormalize(x: torch.Tensor) -> torch.Tensor:
+def orthonormalise(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning ``x`` [..., n, R]: Gram-Schmidt with every projection applied twice, so the
     columns stay orthogonal to working precision even when ``x`` is nearly rank-deficient. A column with nothing left
     after projection (norm <= GS_ABS_FLOOR) becomes zero."""
@@ -110,15 +114,16 @@ def compress(S: torch.Tensor, q0: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     q fp16 [..., R, V])``."""
     dt = S.dtype
     St = S.transpose(-1, -2)
-    P = orthonormalize(St @ q0.to(dt))                   # [..., K, R]
-    Q = orthonormalize(S @ P)                            # [..., V, R]
-    return encode(S, Q, St @ Q)                          # U = S^T Q [..., K, R]
+    P = orthonormalise(St @ q0.to(dt))                   # [..., K, R]
+    Q = orthonormalise(S @ P)                            # [..., V, R]
+    return tokens_and_codes(S, Q, St @ Q)                # U = S^T Q [..., K, R]
 
 
-def encode(S: torch.Tensor, Q: torch.Tensor, U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor, torch.Tensor]:
-    """Steps 2-5 of the re-compression: fp16 tokens from the basis Q [..., V, R] and U = S^T Q [..., K, R], the
-    residual with the rounded tokens, the smoothing scales and the codes. Same return as :func:`compress`."""
+def tokens_and_codes(S: torch.Tensor, Q: torch.Tensor, U: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The phases after the basis (tokens, residual, scales, codes): fp16 tokens from Q [..., V, R] and
+    U = S^T Q [..., K, R], the residual with the rounded tokens, the smoothing scales and the codes. Same return as
+    :func:`compress`."""
     dt = S.dtype
     u = U.transpose(-1, -2).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     q = Q.transpose(-1, -2).to(torch.float16)
@@ -173,8 +178,8 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     :func:`written_programs` are rebuilt, re-compressed and their windows reset; a due program with an empty window
     is left as it is."""
     slots, heads = written_programs(pool, idx)
-    for lo in range(0, slots.numel(), CHUNK):
-        s, h = slots[lo:lo + CHUNK], heads[lo:lo + CHUNK]
+    for lo in range(0, slots.numel(), PROGRAMS_AT_ONCE):
+        s, h = slots[lo:lo + PROGRAMS_AT_ONCE], heads[lo:lo + PROGRAMS_AT_ONCE]
         gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])
         tok = pool.tokens[s, h]
         S = rebuild(pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :K], tok[..., K:],
@@ -367,7 +372,7 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
 
     Rows whose slot is outside [1, num_slots) get a zero output and write nothing. Each stepped program appends its
     entry h (the fill count, L read as 0): kbuf / ubuf (and KDA gbuf) entry h, ``w[h] = 1`` (GDN: the live weights
-    decayed too), pcum (KDA) or p (GDN), ``hcnt = h + 1``. Loop-free over the rows in chunks of :data:`CHUNK`
+    decayed too), pcum (KDA) or p (GDN), ``hcnt = h + 1``. Loop-free over the rows in chunks of :data:`PROGRAMS_AT_ONCE`
     programs (it reads the valid rows on the host: a synchronisation, as every reference call)."""
     H, Hk = pool.num_heads, num_k_heads
     slots = idx.to(torch.long)
@@ -375,7 +380,7 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
     out.masked_fill_(~valid[:, None, None], 0.0)
     rows_all = valid.nonzero().flatten()
     heads = torch.arange(H, device=pool.device)
-    step_rows = max(1, CHUNK // H)
+    step_rows = max(1, PROGRAMS_AT_ONCE // H)
     for lo in range(0, rows_all.numel(), step_rows):
         rows = rows_all[lo:lo + step_rows]
         s = slots[rows]

@@ -33,14 +33,12 @@ import torch
 
 from .families import (FP16_TINIEST, FP32_TINIEST, CaseTensors, _empty_window, _kda_gates, _low_rank_noise,
                        _random_checkpoint)
-from .layout import K, L, R, V, Pool
+from .layout import CHECKPOINT_FIELDS, K, L, R, V, Pool
 from .reference import compress, default_q0, rebuild, step_reference
 
 STEP_EDGE_FAMILIES = ("empty", "just_flushed", "full", "zero", "zero_state", "tiny", "huge", "decayed",
                       "pcum_below_1000", "gate_extremes")
 STEP_FAMILIES = STEP_EDGE_FAMILIES + ("random", "sim")
-CHECKPOINT_NAMES = ("codes", "s_k", "s_v", "u", "q")
-WINDOW_NAMES = {"kda": ("kbuf", "ubuf", "gbuf", "w", "pcum"), "gdn": ("kbuf", "ubuf", "w", "p")}
 TOKEN_NAMES = ("qx", "kx", "vx", "a", "b")
 
 
@@ -118,10 +116,10 @@ def append_entry(t: dict[str, torch.Tensor], out: Sequence[torch.Tensor], gate: 
     t["h"] = (h + 1).to(torch.int32)
     full = t["h"] == L
     if bool(full.any()):
-        ck = [t[n][full] for n in CHECKPOINT_NAMES]
+        ck = [t[n][full] for n in CHECKPOINT_FIELDS]
         gate_arg = dict(pcum=t["pcum"][full], gbuf=t["gbuf"][full]) if gate == "kda" else dict(p=t["p"][full])
         new = compress(rebuild(*ck, t["kbuf"][full], t["ubuf"][full], t["w"][full], **gate_arg), q0)
-        for name, val in zip(CHECKPOINT_NAMES, new):
+        for name, val in zip(CHECKPOINT_FIELDS, new):
             t[name] = t[name].clone()
             t[name][full] = val
         for name, val in _empty_window(int(full.sum()), gate).items():
@@ -138,7 +136,7 @@ def _simulate(ck: tuple[torch.Tensor, ...], gate: str, g: torch.Generator, steps
     """The window ``steps`` [n] (< L) reference decode steps build from checkpoint ``ck`` and an empty window
     (A_log, dt_bias: the constants of each program's head, [n] and [n, K] / [n])."""
     n = ck[0].shape[0]
-    t = dict(zip(CHECKPOINT_NAMES, ck), **_empty_window(n, gate), h=torch.zeros(n, dtype=torch.int32))
+    t = dict(zip(CHECKPOINT_FIELDS, ck), **_empty_window(n, gate), h=torch.zeros(n, dtype=torch.int32))
     ones = torch.ones(n)
     for i in range(int(steps.max()) if n else 0):
         tok = _token(n, gate, g, scale * ones, ones)
@@ -223,7 +221,7 @@ def _step_family(name: str, n: int, gate: str, g: torch.Generator, q0: torch.Ten
         pick = torch.randint(0, 3, tok["a"].shape, generator=g)
         a = torch.where(pick == 0, 30.0, torch.where(pick == 1, -30.0, tok["a"].float()))
         tok.update(a=a.to(torch.bfloat16), b=(12.0 * torch.sign(torch.randn(n, generator=g))).to(torch.bfloat16))
-    return dict(zip(CHECKPOINT_NAMES, ck), **win, h=h, **tok, vscale=vscale, kscale=kscale)
+    return dict(zip(CHECKPOINT_FIELDS, ck), **win, h=h, **tok, vscale=vscale, kscale=kscale)
 
 
 # ---- the case -------------------------------------------------------------------------------------------------------
@@ -292,7 +290,7 @@ class StepCase(CaseTensors):
     def load_into(self, pool: Pool, slots: Sequence[int] | torch.Tensor) -> None:
         """Write checkpoint, window and fill count into ``slots`` (B slots) of ``pool``."""
         t = self.tensors
-        pool.write_checkpoint(slots, *(t[n] for n in CHECKPOINT_NAMES))
+        pool.write_checkpoint(slots, *(t[n] for n in CHECKPOINT_FIELDS))
         pool.write_window(slots, t["kbuf"], t["ubuf"], t["w"], t["pcum"] if self.gate == "kda" else t["p"],
                           t.get("gbuf"), fill=0)
         s = torch.as_tensor(list(slots) if not isinstance(slots, torch.Tensor) else slots, device=pool.device)

@@ -35,8 +35,8 @@ def _requantise(S: torch.Tensor, u: torch.Tensor, q: torch.Tensor) -> tuple[torc
 def test_reference_matches_fp64_evaluation(gate, seed, batch, heads):
     """The fp32 reference against the same algorithm evaluated in fp64, on relatively judged heads.
 
-    The checkpoint's error has two sources: the fp16 tokens (steps 1-2, the basis, then its rounding) and the encoding
-    of the residual with them (steps 3-5). Where fp32 and fp64 round a token to different fp16 neighbours, the error
+    The checkpoint's error has two sources: the fp16 tokens (rebuild, project, orthonormalise, tokens: the basis, then
+    its rounding) and the encoding of the residual with them (residual, scales, codes). Where fp32 and fp64 round a token to different fp16 neighbours, the error
     moves by that choice, not by fp32 arithmetic: on heads whose weaker directions are poorly determined (hot rows,
     decayed heads) the two bases differ by up to a dozen fp16 ulps in some token entries, and the exact encoding of the
     fp32 tokens is up to 0.13 % worse or better than that of the fp64 tokens (12 x 200 x 16 heads of every family).

@@ -101,7 +101,7 @@ def _variant(case: sf.StepCase, kind: str, beta_bf16: bool = True) -> tuple[torc
     qn = ref.l2_normalise(ref.expand_key_heads(t["qx"], H)) * K ** -0.5
     g = ref.log_gate(t["a"], t["A_log"], t["dt_bias"])
     h = torch.where(t["h"] == L, torch.zeros_like(t["h"]), t["h"]).long()
-    ck = [t[n] for n in sf.CHECKPOINT_NAMES]
+    ck = [t[n] for n in sf.CHECKPOINT_FIELDS]
     S, _ = ref.step_state(*ck, t["kbuf"], t["ubuf"], t["w"], h, g, **gk)
     if kind == "checkpoint_fp16":
         old = ref.decode_checkpoint(*ck)
@@ -217,7 +217,7 @@ def test_gdn_gate_formulas():
     w_exp = torch.where(live, t["w"].double() * at[..., None], t["w"].double())
     w_exp = torch.where(torch.arange(L) == h[..., None], 1.0, w_exp)
     assert torch.allclose(ex.values["w_new"], w_exp, rtol=1e-12, atol=0)
-    S = (t["p"].double() * at)[..., None, None] * ref.decode_checkpoint(*[t[n] for n in sf.CHECKPOINT_NAMES],
+    S = (t["p"].double() * at)[..., None, None] * ref.decode_checkpoint(*[t[n] for n in sf.CHECKPOINT_FIELDS],
                                                                          dtype=torch.float64)
     wl = torch.where(live, t["w"].double() * at[..., None], 0.0)
     S = S + torch.einsum("bhj,bhjv,bhjk->bhvk", wl, t["ubuf"].double(), t["kbuf"].double())

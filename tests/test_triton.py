@@ -231,17 +231,17 @@ def test_kernel_choice(monkeypatch):
     pool = Pool(3, 2, device=DEVICE)              # a pool the backend serves here (GPU, or the interpreter)
     monkeypatch.setenv(launch.KERNEL_ENV, "cuda-graphs")
     with pytest.raises(ValueError, match="expected one of"):
-        launch.kernel_for(cpu)
+        launch.kernel_name_for(cpu)
     assert any("expected one of" in why for why in lq_triton.reasons(pool))
     monkeypatch.setenv(launch.KERNEL_ENV, "mma")
     with pytest.raises(RuntimeError, match="CUDA GPUs only"):
-        launch.kernel_for(cpu)
+        launch.kernel_name_for(cpu)
     if not HAS_CUDA:
         assert any("CUDA GPUs only" in why for why in lq_triton.reasons(pool))
     monkeypatch.setenv(launch.KERNEL_ENV, "tl")
-    assert launch.kernel_for(cpu) == "tl" and not lq_triton.reasons(pool)
+    assert launch.kernel_name_for(cpu) == "tl" and not lq_triton.reasons(pool)
     monkeypatch.delenv(launch.KERNEL_ENV)
-    assert launch.kernel_for(cpu) == "tl"
+    assert launch.kernel_name_for(cpu) == "tl"
 
 
 # ---- GPU only: the deployment sizes and CUDA graphs, for both kernels -------------------------------------------

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from leapquant import criterion, families  # noqa: E402
 from leapquant.numerics import K, P_CHOLQR_PASSES, Q_CHOLQR_PASSES  # noqa: E402
-from leapquant.reference import compress, encode, rebuild  # noqa: E402
+from leapquant.reference import compress, rebuild, tokens_and_codes  # noqa: E402
 from probe_factored import cholqr  # noqa: E402
 
 #: row name: (gate, decay) with decay GDN's p or KDA's pcum [K]
@@ -45,7 +45,7 @@ def cholqr_compress(S: torch.Tensor, q0: torch.Tensor) -> tuple[torch.Tensor, ..
     """The kernels' algorithm in fp32: P by CholeskyQR, Q by CholeskyQR, U = S^T Q, then the reference's encoding."""
     P, _ = cholqr(S.transpose(-1, -2) @ q0, P_CHOLQR_PASSES)
     Q, _ = cholqr(S @ P, Q_CHOLQR_PASSES)
-    return encode(S, Q, S.transpose(-1, -2) @ Q)
+    return tokens_and_codes(S, Q, S.transpose(-1, -2) @ Q)
 
 
 def over_bound(gate: str, decay, seeds: int, batch: int = 16, heads: int = 32) -> dict[str, tuple[int, int, float]]:

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from leapquant import families  # noqa: E402
-from leapquant.reference import encode, orthonormalize, rebuild  # noqa: E402
+from leapquant.reference import orthonormalise, rebuild, tokens_and_codes  # noqa: E402
 
 TF32_DROPPED_BITS = 0x1FFF          # the 13 low mantissa bits a tf32 operand ignores
 VARIANTS = {"P": (True, False, False), "SP": (False, True, False), "U": (False, False, True),
@@ -33,9 +33,9 @@ def compress(S: torch.Tensor, q0: torch.Tensor, in_p: bool, in_sp: bool, in_u: b
     """The reference's compress with tf32(S) in the chosen products."""
     St, Sa = S.transpose(-1, -2), tf32(S)
     Sat = Sa.transpose(-1, -2)
-    P = orthonormalize((Sat if in_p else St) @ q0)
-    Q = orthonormalize((Sa if in_sp else S) @ P)
-    return encode(S, Q, (Sat if in_u else St) @ Q)
+    P = orthonormalise((Sat if in_p else St) @ q0)
+    Q = orthonormalise((Sa if in_sp else S) @ P)
+    return tokens_and_codes(S, Q, (Sat if in_u else St) @ Q)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ into LIMBS signed base-2^7 digits under a power-of-two scale (the largest magnit
 terms are fp32 products. The basis is the kernels' CholeskyQR (leapquant.numerics: P one pass, Q two, the pivot
 floors); "U after Q's second factor" computes U = S^T Q1 from the first pass's Q1 and applies the second factor to U
 as to Q (so U's product can start before Q's second pass ends). The residual, scales and codes come from the dense
-fp32 state (reference.encode), as the redesign's dense warpgroup would make them.
+fp32 state (reference.tokens_and_codes), as the redesign's dense warpgroup would make them.
 
 Every variant is judged by the flush criterion (leapquant.criterion) on ``families.make_case(8, 32, gate, seed)`` for
 both gates and SEEDS seeds; printed: the worst score over every head and over the heads of the non-tiny families (the
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from leapquant import families  # noqa: E402
 from leapquant.numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, P_CHOLQR_PASSES, Q_CHOLQR_PASSES,  # noqa: E402
                                 QMAX)
-from leapquant.reference import encode, rebuild, window_decays  # noqa: E402
+from leapquant.reference import rebuild, tokens_and_codes, window_decays  # noqa: E402
 
 DIGIT_BITS = 7                 #: base 2^7 digits, each in [-64, 64] (fits int8 beside the codes' [-127, 127])
 LEAD_UNITS = 64                #: the largest magnitude of a column is scaled into [LEAD_UNITS / 2, LEAD_UNITS)
@@ -133,7 +133,7 @@ def compress_factored(S: torch.Tensor, F: Factored | None, q0: torch.Tensor, n: 
             U = U @ f
     else:
         U = st_x(Q)
-    return encode(S, Q, U)
+    return tokens_and_codes(S, Q, U)
 
 
 VARIANTS = {   # name: (products from the factored form, digits, U after Q's second factor)

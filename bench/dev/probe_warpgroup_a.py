@@ -270,7 +270,7 @@ def check(gate: str, dev) -> str:
     import torch
     from leapquant import families
     from leapquant.layout import Pool
-    from leapquant.reference import default_q0, encode, rebuild
+    from leapquant.reference import default_q0, rebuild, tokens_and_codes
     case = families.make_case(8, 32, gate, seed=3)
     t = case.tensors
     S = rebuild(*case.checkpoint(), t["kbuf"], t["ubuf"], t["w"], **case.gate_kwargs())
@@ -281,7 +281,7 @@ def check(gate: str, dev) -> str:
     launch(pool, slots.to(dev, torch.int32), default_q0(dev), out)
     torch.cuda.synchronize()
     out = out.cpu()
-    checkpoint = encode(S, out[..., K:].float().transpose(-1, -2), out[..., :K].float().transpose(-1, -2))
+    checkpoint = tokens_and_codes(S, out[..., K:].float().transpose(-1, -2), out[..., :K].float().transpose(-1, -2))
     v = case.judge(checkpoint, name=f"P2 {gate}")
     return f"{gate}: {'PASS' if v.passed else 'FAIL'}, worst head {v.worst_score:.4f} of its bound :: {v.message}"
 

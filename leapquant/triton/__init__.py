@@ -10,7 +10,7 @@ import triton
 
 from .. import dispatch
 from ..layout import Pool
-from .launch import INTERPRETED, KERNEL_ENV, kernel_for, flush, step, warmup
+from .launch import INTERPRETED, KERNEL_ENV, kernel_name_for, flush, step, warmup
 
 #: Triton's bf16 loads need sm_80 (Ampere) or newer
 MIN_CAPABILITY = (8, 0)
@@ -31,7 +31,7 @@ def reasons(pool: Pool) -> list[str]:
         why.append(f"device {pool.device}: the Triton kernel needs a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
     if not why:
         try:                       # a forced GPU kernel that cannot run (LEAPQUANT_TRITON_KERNEL) is a reason too
-            kernel_for(pool.device)
+            kernel_name_for(pool.device)
         except (ValueError, RuntimeError) as exc:
             why.append(str(exc))
     if pool.num_slots * pool.num_heads >= MAX_CODES:

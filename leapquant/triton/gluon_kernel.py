@@ -21,7 +21,7 @@ algorithm instead of one Triton picks. One persistent program of 8 warps per SM 
                         Every exchange but the codes' goes through a buffer of its own (:class:`ExchangeBuffers`) in
                         one round (the *_XCHG_SMEM layouts: hand-built, free of bank conflicts), its write and its
                         read on either side of a barrier the caller places
-    (3) orthonormalise  _orthonormalize: CholeskyQR (passes and pivot floors: leapquant.numerics) on the vectors held
+    (3) orthonormalise  _orthonormalise: CholeskyQR (passes and pivot floors: leapquant.numerics) on the vectors held
                         whole by every warp (:data:`WARP_VEC`): the Gram matrices are warp-local reduce-scatters over
                         the lanes (:data:`_GRAM_ASM`), no barrier
     (4) tokens          _store_tokens: u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool and to shared memory
@@ -633,7 +633,7 @@ def _cholqr(x0, x1, x2, x3):
 
 
 @gluon.jit
-def _orthonormalize(c0, c1, c2, c3, PASSES: gl.constexpr):
+def _orthonormalise(c0, c1, c2, c3, PASSES: gl.constexpr):
     """CholeskyQR with PASSES passes (leapquant.numerics: one for P, two for Q)."""
     for _ in gl.static_range(PASSES):
         c0, c1, c2, c3 = _cholqr(c0, c1, c2, c3)
@@ -796,7 +796,7 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     xb.vvec.store(gl.max(part, 1))
     gl.thread_barrier()
     p0, p1, p2, p3 = _get4(xb.sums4)
-    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, _P_PASSES)
+    p0, p1, p2, p3 = _orthonormalise(p0, p1, p2, p3, _P_PASSES)
     _put4(p0, p1, p2, p3, xb.to_cols4)
     gl.thread_barrier()
     p0, p1, p2, p3 = _spread_get(xb.to_cols4, STATE_COLS)
@@ -806,7 +806,7 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     gl.thread_barrier()
     c0, c1, c2, c3 = _get4(xb.sums4)
     rowmax = xb.vvec.load(STATE_ROWS)
-    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, _Q_PASSES)     # (a latency chain: the codes' arithmetic fills it)
+    c0, c1, c2, c3 = _orthonormalise(c0, c1, c2, c3, _Q_PASSES)     # (a latency chain: the codes' arithmetic fills it)
     s_v_prev, codes_prev = _scale_v_and_codes(x_prev, rowmax)
     _put4(c0, c1, c2, c3, xb.to_rows4)
     _store_codes_and_reset(s_v_prev, codes_prev, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region_prev, prog_prev,

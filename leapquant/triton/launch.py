@@ -3,7 +3,7 @@
 Two kernels take the same arguments, workspace and grid: on a GPU the Gluon kernel
 (:mod:`leapquant.triton.gluon_kernel`: tensor-core rank updates in layouts chosen for the algorithm; 3x faster on the
 H200), elsewhere the ``tl`` kernel (:mod:`leapquant.triton.tl_kernel`), which the interpreter runs (the CPU test
-tier). :func:`kernel_for` chooses one per device; :func:`flush` makes the pool's workspace once, compiles the chosen
+tier). :func:`kernel_name_for` chooses one per device; :func:`flush` makes the pool's workspace once, compiles the chosen
 kernel for the pool's buffers, binds its launch (:func:`_bind`) and launches it.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def mma_reasons(device: torch.device) -> list[str]:
     return why
 
 
-def kernel_for(device: torch.device) -> str:
+def kernel_name_for(device: torch.device) -> str:
     """The kernel a call on ``device`` runs (see :data:`KERNEL_ENV`)."""
     forced = os.environ.get(KERNEL_ENV, "").strip().lower()
     if forced and forced not in KERNELS:
@@ -106,7 +106,7 @@ class _Workspace:
     due: torch.Tensor              # int32 [rows * H]: the call's due programs by rank
     raw_u8: torch.Tensor
     raw_f16: torch.Tensor
-    kernel: str = "tl"             # "mma" or "tl" (kernel_for)
+    kernel: str = "tl"             # "mma" or "tl" (kernel_name_for)
     programs: int = 0              # persistent programs resident at once (0: not bound yet)
     buffers: tuple = ()            # the pool tensors the launch is bound to (re-bound when the caller swaps one)
     addresses: tuple = ()          # where their data started when bound (re-bound when that moves)
@@ -206,7 +206,7 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
                            "(the kernel is compiled and bound to the pool's buffers there)")
     ws.buffers = pool_buffers(pool)
     ws.addresses = _addresses(ws.buffers)
-    ws.kernel = kernel_for(pool.device)
+    ws.kernel = kernel_name_for(pool.device)
     fn = kernel_fn(ws.kernel)
     args = _flush_args(pool, ws, q0, idx)
     ws.programs = resident_programs(pool, fn, args, flush_meta(pool, ws.kernel, 1))
@@ -264,7 +264,7 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
     """Triton backend of :func:`leapquant.step_inplace` (arguments already validated, ``out`` given).
 
     One launch of the step kernel, one program per (row, head): grid (N * H,); on a GPU where the Gluon kernel serves
-    (:func:`kernel_for`) the Gluon step kernel (:mod:`leapquant.triton.gluon_step_kernel`), else the portable one
+    (:func:`kernel_name_for`) the Gluon step kernel (:mod:`leapquant.triton.gluon_step_kernel`), else the portable one
     (:mod:`leapquant.triton.step_kernel`). No host synchronisation and no allocation (raw's typed views are views), so the call can be captured in a CUDA
     graph once the kernel is compiled. GDN passes p in place of the KDA-only gbuf (never read there), as the flush."""
     if idx.numel() == 0:
@@ -288,10 +288,10 @@ _STEP_CHOICE: dict[str, str] = {}
 
 
 def _step_kernel_choice(device: torch.device) -> str:
-    """:func:`kernel_for` of ``device``, made once per device (the step calls it on every launch)."""
+    """:func:`kernel_name_for` of ``device``, made once per device (the step calls it on every launch)."""
     key = str(device)
     if key not in _STEP_CHOICE:
-        _STEP_CHOICE[key] = kernel_for(device)
+        _STEP_CHOICE[key] = kernel_name_for(device)
     return _STEP_CHOICE[key]
 
 

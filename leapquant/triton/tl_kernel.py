@@ -240,7 +240,7 @@ def _cholqr(x0, x1, x2, x3):
 
 
 @triton.jit
-def _orthonormalize(c0, c1, c2, c3, PASSES: tl.constexpr):
+def _orthonormalise(c0, c1, c2, c3, PASSES: tl.constexpr):
     """CholeskyQR with PASSES passes (leapquant.numerics: one for P, two for Q). A pass on a nearly orthonormal input
     brings the columns to working precision; the floors bound what a rank-deficient column can blow up to."""
     for _ in tl.static_range(PASSES):
@@ -345,9 +345,9 @@ def _flush_program(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog,
     q0c2 = tl.load(q0_ptr + rv * _R + 2)
     q0c3 = tl.load(q0_ptr + rv * _R + 3)
     p0, p1, p2, p3 = _project_t(S, q0c0, q0c1, q0c2, q0c3)
-    p0, p1, p2, p3 = _orthonormalize(p0, p1, p2, p3, _P_PASSES)
+    p0, p1, p2, p3 = _orthonormalise(p0, p1, p2, p3, _P_PASSES)
     c0, c1, c2, c3 = _project(S, p0, p1, p2, p3)
-    c0, c1, c2, c3 = _orthonormalize(c0, c1, c2, c3, _Q_PASSES)
+    c0, c1, c2, c3 = _orthonormalise(c0, c1, c2, c3, _Q_PASSES)
     # (every U column before the residual: S then dies into E in place instead of both living at once)
     U0, U1, U2, U3 = _project_t(S, c0, c1, c2, c3)
 
