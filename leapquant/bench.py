@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 from . import bench_step
 from .bench_common import (CSV_COLUMNS, DUE_FRACTIONS, Row, _fmt, _one_line, _percentile, copy_bandwidth,
                            slot_sets, time_calls, time_calls_kernel, time_calls_wall, timer_floor)
+from .numerics import GATES
 from .options import UsageError, parse_device
 
 DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
@@ -77,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"sequences per call (x heads programs); default {' '.join(map(str, DEFAULT_GPU_BATCHES))}"
                              f" on a GPU, {' '.join(map(str, DEFAULT_CPU_BATCHES))} on a CPU")
     parser.add_argument("--heads", type=int, default=32, help="heads per sequence (default 32)")
-    parser.add_argument("--gate", nargs="+", default=["kda"], choices=("kda", "gdn"),
+    parser.add_argument("--gate", nargs="+", default=["kda"], choices=GATES,
                         help="gate variant(s) (default kda)")
     parser.add_argument("--due", nargs="+", default=list(DUE_FRACTIONS), choices=tuple(DUE_FRACTIONS),
                         help="fraction of programs due: all, sixteenth (1/16, spread unevenly as at steady state), "

@@ -111,12 +111,14 @@ def read_step_outputs(pool, slots, h_before, gate: str, out):
 def make_tokens(case, sets: int, device) -> TokenSets:
     """The case's token (tiled rows) for every slot set, in the deployment form's layout."""
     import torch
+
+    from .layout import V
     t = case.tensors
     qkv = case.qkv().to(device)
     a, b = t["a"].to(device), t["b"].to(device)
     return TokenSets(qkv=[qkv.clone() for _ in range(sets)], a=[a.clone() for _ in range(sets)],
                      b=[b.clone() for _ in range(sets)],
-                     out=[torch.empty(case.batch, case.heads, 128, dtype=torch.bfloat16, device=device)
+                     out=[torch.empty(case.batch, case.heads, V, dtype=torch.bfloat16, device=device)
                           for _ in range(sets)],
                      A_log=t["A_log"].to(device), dt_bias=t["dt_bias"].to(device), num_k_heads=case.num_k_heads)
 
@@ -146,22 +148,24 @@ class FlaState:
 
     def __init__(self, dtype_name: str, num_slots: int, point: StepPoint, device) -> None:
         import torch
+
+        from .layout import K, V
         H, hk = point.case.heads, point.tokens.num_k_heads
-        self.state = torch.empty(num_slots, H, 128, 128, dtype=getattr(torch, dtype_name), device=device)
+        self.state = torch.empty(num_slots, H, V, K, dtype=getattr(torch, dtype_name), device=device)
         self.state.normal_(0.0, 0.02)
         tk, N = point.tokens, point.batch
         self.inputs = []
         for s in range(len(point.sets)):
             qkv = tk.qkv[s]
-            q = qkv[:, :hk * 128].reshape(N, 1, hk, 128).contiguous()
-            k = qkv[:, hk * 128:2 * hk * 128].reshape(N, 1, hk, 128).contiguous()
-            v = qkv[:, 2 * hk * 128:].reshape(N, 1, H, 128).contiguous()
-            a = tk.a[s] if point.gate == "kda" else tk.a[s].unsqueeze(-1).expand(N, H, 128)
-            g = a.reshape(N, 1, H, 128).contiguous()
+            q = qkv[:, :hk * K].reshape(N, 1, hk, K).contiguous()
+            k = qkv[:, hk * K:2 * hk * K].reshape(N, 1, hk, K).contiguous()
+            v = qkv[:, 2 * hk * K:].reshape(N, 1, H, V).contiguous()
+            a = tk.a[s] if point.gate == "kda" else tk.a[s].unsqueeze(-1).expand(N, H, K)
+            g = a.reshape(N, 1, H, K).contiguous()
             beta = tk.b[s].reshape(N, 1, H).contiguous()
-            o = torch.empty(N, 1, H, 128, dtype=torch.bfloat16, device=device)
+            o = torch.empty(N, 1, H, V, dtype=torch.bfloat16, device=device)
             self.inputs.append((q, k, v, g, beta, o))
-        dt = tk.dt_bias if point.gate == "kda" else tk.dt_bias.unsqueeze(-1).expand(H, 128)
+        dt = tk.dt_bias if point.gate == "kda" else tk.dt_bias.unsqueeze(-1).expand(H, K)
         self.A_log, self.dt_bias = tk.A_log.contiguous(), dt.contiguous().float()
         self.idx = point.idx
 
@@ -318,9 +322,11 @@ def _time_project(run, tgt: OpTarget, pool, point: StepPoint, label: str, row: R
 
 def _measure_fla(run, tgt: OpTarget, point: StepPoint, num_slots: int, labels: Sequence[str], bw: float) -> None:
     import torch
+
+    from .layout import K, V
     dev = run.plan.device
     nprog = point.batch * point.case.heads
-    state_bytes = 128 * 128 * (4 if tgt.name == "fla-fp32" else 2)
+    state_bytes = V * K * (4 if tgt.name == "fla-fp32" else 2)
     try:
         st = FlaState(FLA_STATES[tgt.name], num_slots, point, dev)
         samples, method = _time(run, st.call, None, False)

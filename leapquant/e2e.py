@@ -54,6 +54,7 @@ import torch
 
 from . import bench, dispatch
 from . import reference as ref
+from .layout import GATES
 from .numerics import K, L, V
 
 METHODS = ("leapquant", "fp32 state", "bf16 state")   #: the methods judged against the fp64 state, in table order
@@ -182,7 +183,7 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
     errors of the last ``last`` tokens (see the module's docstring)."""
     import leapquant as lq
 
-    if gate not in ("kda", "gdn"):
+    if gate not in GATES:
         raise ValueError(f"gate: expected 'kda' or 'gdn', got {gate!r}")
     if not 1 <= last <= tokens:
         raise ValueError(f"last: expected 1 <= last <= tokens ({tokens}), got {last}")
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default=None, help="leapquant backend (auto, reference, triton, tilelang; "
                                                          "default: the dispatch's choice)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--gates", nargs="+", choices=("kda", "gdn"), default=["kda", "gdn"])
+    parser.add_argument("--gates", nargs="+", choices=GATES, default=list(GATES))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=512)

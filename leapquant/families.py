@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .layout import CHECKPOINT_FIELDS, K, L, QMAX, R, V, Pool
+from .layout import CHECKPOINT_FIELDS, FIELDS, GATES, WINDOW_FIELDS, K, L, QMAX, R, V, Pool
 from .reference import compress, decode_checkpoint, default_q0, rebuild
 
 EDGE_FAMILIES = ("window_rank1", "window_rank2", "zero", "scaled_zero", "scaled_zero_window", "tiny", "tiny_decayed", "huge", "rank1_noise", "decayed", "never_decay",
@@ -76,14 +76,22 @@ def _window(n: int, gate: str, g: torch.Generator, scale: float = 1.0) -> dict[s
     return win
 
 
+def check_draw(families: Sequence[str] | None, known: Sequence[str], gate: str, what: str) -> tuple[str, ...]:
+    """The families asked for (None: all of ``known``) and the gate, checked; raises ``ValueError`` naming the
+    unknown one (``what``: the kind of family, for the message)."""
+    fams = tuple(families or known)
+    for f in fams:
+        if f not in known:
+            raise ValueError(f"unknown {what} {f!r}: expected one of {tuple(known)}")
+    if gate not in GATES:
+        raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
+    return fams
+
+
 def _empty_window(n: int, gate: str) -> dict[str, torch.Tensor]:
-    win = dict(kbuf=torch.zeros(n, L, K, dtype=torch.bfloat16), ubuf=torch.zeros(n, L, V, dtype=torch.bfloat16),
-               w=torch.zeros(n, L))
-    if gate == "kda":
-        win.update(gbuf=torch.ones(n, L, K, dtype=torch.float16), pcum=torch.zeros(n, K))
-    else:
-        win.update(p=torch.ones(n))
-    return win
+    """``n`` empty windows of ``gate``: every field but the fill count at its empty value (layout.FIELDS)."""
+    return {name: torch.full((n,) + FIELDS[name].shape, FIELDS[name].empty, dtype=FIELDS[name].dtype)
+            for name in WINDOW_FIELDS[gate] if name != "hcnt"}
 
 
 def _random_checkpoint(n: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -322,12 +330,7 @@ def make_case(batch: int, heads: int, gate: str = "kda", seed: int = 0, device: 
               families: Sequence[str] | None = None, q0: torch.Tensor | None = None) -> Case:
     """A case of ``batch`` x ``heads`` programs. Head h of row b draws from ``families[(b * heads + h + seed) %
     len(families)]`` (default: all of :data:`FAMILIES`), so even small cases cover many families."""
-    fams = tuple(families or FAMILIES)
-    for f in fams:
-        if f not in FAMILIES:
-            raise ValueError(f"unknown family {f!r}: expected one of {FAMILIES}")
-    if gate not in ("kda", "gdn"):
-        raise ValueError(f"gate: expected 'kda' or 'gdn', got {gate!r}")
+    fams = check_draw(families, FAMILIES, gate, "family")
     g = torch.Generator().manual_seed(seed)
     q0 = default_q0() if q0 is None else q0.detach().cpu().float()
     n = batch * heads

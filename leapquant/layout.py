@@ -24,11 +24,10 @@ from typing import Sequence
 
 import torch
 
-from .numerics import EPS, FP16_MAX, K, L, QMAX, R, V  # noqa: F401  (the math's sizes and constants, re-exported)
+from .numerics import EPS, FP16_MAX, GATES, K, L, QMAX, R, V  # noqa: F401  (the math's sizes and constants, re-exported)
 from .reference import compress, decode_checkpoint, default_q0, pool_writes, rebuild
 
 DEFAULT_HEADS = 32
-GATES = ("kda", "gdn")
 
 # ---- the pool's geometry, in fp32 words unless said otherwise --------------------------------------------------------
 OFF = 12288                      #: word offset of slot 0 inside ``raw`` (engines keep a header there)
@@ -235,6 +234,24 @@ def _pool_device(device: object) -> torch.device:
         return torch.empty(0, device=device).device
     except (RuntimeError, TypeError, AssertionError) as e:
         raise ValueError(f"device: {device!r} cannot hold the pool's tensors ({type(e).__name__}: {e})") from None
+
+
+def capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on the current stream (and ``device`` is a GPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def same_objects(a: tuple | None, b: tuple) -> bool:
+    """``a`` and ``b`` hold the same objects, in order (``a`` None: nothing held yet)."""
+    return a is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def buffer_addresses(buffers: tuple) -> tuple:
+    """Where each buffer's data starts and how it is laid out: a buffer object can be kept while its memory or its
+    view is swapped (``t.data = ...``, ``t.set_(...)``, ``t.as_strided_(...)``), which a check of the objects alone
+    would miss (None for an entry that is not a tensor)."""
+    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else None
+                 for t in buffers)
 
 
 def on_pool_device(pool: "Pool") -> contextlib.AbstractContextManager:

@@ -10,6 +10,7 @@ V = 128          #: value dimension (rows of the state)
 K = 128          #: key dimension (columns of the state)
 L = 16           #: window length: updates buffered between two flushes
 R = 4            #: rank of the fp16 part (number of Compensator Tokens)
+GATES = ("kda", "gdn")  #: the gate variants: per key channel (Kimi Delta Attention), one per head (Gated DeltaNet)
 
 # ---- the format -------------------------------------------------------------------------------------------------------
 QMAX = 127       #: largest code magnitude; codes live in [-QMAX, QMAX]
@@ -51,3 +52,8 @@ SOFTPLUS_THRESHOLD = 20.0
 #: and leaves that integer in the low mantissa bits, whose low byte is then the int8 code in two's complement: codes
 #: without a rounding or float-to-int instruction (both issue at a quarter of the FMA rate on NVIDIA GPUs)
 RINT_MAGIC = 12582912.0
+#: the exact dequantisation of a code byte without an integer-to-float instruction: the byte with its sign bit flipped
+#: (code + 128, in 0..255) placed as the low mantissa byte of the float 2^23 (bits CODE_BIAS_BITS) reads
+#: 2^23 + 128 + code, and subtracting CODE_BIAS = 2^23 + 128 leaves the code exactly
+CODE_BIAS_BITS = 0x4B000000
+CODE_BIAS = 2.0 ** 23 + 128

@@ -32,8 +32,8 @@ from typing import Sequence
 import torch
 
 from .families import (FP16_TINIEST, FP32_TINIEST, CaseTensors, _empty_window, _kda_gates, _low_rank_noise,
-                       _random_checkpoint)
-from .layout import CHECKPOINT_FIELDS, K, L, R, V, Pool
+                       _random_checkpoint, check_draw)
+from .layout import CHECKPOINT_FIELDS, GATES, K, L, R, V, Pool
 from .reference import compress, default_q0, rebuild, step_reference
 
 STEP_EDGE_FAMILIES = ("empty", "just_flushed", "full", "zero", "zero_state", "tiny", "huge", "decayed",
@@ -321,12 +321,7 @@ def make_step_case(batch: int, heads: int, gate: str = "kda", seed: int = 0, dev
     """A step case of ``batch`` x ``heads`` programs. Program h of row b draws from ``families[(b * heads + h + seed)
     % len(families)]`` (default: all of :data:`STEP_FAMILIES`). ``num_k_heads`` (GDN only; default ``heads``): the
     token's key heads; value head j reads key head j // (heads // num_k_heads) (its group's first value head's draw)."""
-    fams = tuple(families or STEP_FAMILIES)
-    for f in fams:
-        if f not in STEP_FAMILIES:
-            raise ValueError(f"unknown step family {f!r}: expected one of {STEP_FAMILIES}")
-    if gate not in ("kda", "gdn"):
-        raise ValueError(f"gate: expected 'kda' or 'gdn', got {gate!r}")
+    fams = check_draw(families, STEP_FAMILIES, gate, "step family")
     hk = heads if num_k_heads is None else num_k_heads
     if hk < 1 or heads % hk or (gate == "kda" and hk != heads):
         raise ValueError(f"num_k_heads: expected a divisor of {heads} (KDA: {heads}), got {num_k_heads!r}")

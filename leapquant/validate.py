@@ -16,8 +16,8 @@ import weakref
 
 import torch
 
-from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, byte_span, check_dense, check_own_buffers,
-                     check_tensor, raw_words)
+from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, buffer_addresses, byte_span, capturing,
+                     check_dense, check_own_buffers, check_tensor, raw_words, same_objects)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -31,25 +31,9 @@ _CHECKED: "weakref.WeakKeyDictionary[Pool, tuple[tuple, dict[str, tuple[int, int
     weakref.WeakKeyDictionary()
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _buffers(pool: Pool) -> tuple:
     """The objects a check validates: the pool's buffers (raw, its codes view, the window tensors)."""
     return tuple([getattr(pool, n, None) for n in ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])])
-
-
-def _same(a: tuple | None, b: tuple) -> bool:
-    return a is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _addresses(buffers: tuple) -> tuple:
-    """Where each buffer's data starts and how it is laid out: a buffer object can be kept while its memory or its
-    view is swapped (``t.data = ...``, ``t.set_(...)``, ``t.as_strided_(...)``), which a check of the objects alone
-    would miss."""
-    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else None
-                 for t in buffers)
 
 
 def check_pool(pool: object, gate: str | None = None, num_heads: int | None = None) -> Pool:
@@ -63,7 +47,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         raise ValueError(f"pool: num_heads mismatch: the pool has {pool.num_heads}, the call expects {num_heads}")
     key = _buffers(pool)
     seen = _CHECKED.get(pool)
-    if seen is not None and _same(seen[0], key) and seen[2] == _addresses(key):
+    if seen is not None and same_objects(seen[0], key) and seen[2] == buffer_addresses(key):
         return pool
     NS, H, dev = pool.num_slots, pool.num_heads, pool.device
     check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev, aligned=True)
@@ -74,7 +58,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
     check_own_buffers(pool)
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
-    _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, _addresses(key))
+    _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, buffer_addresses(key))
     return pool
 
 
@@ -90,7 +74,7 @@ def _want_idx_values(check_idx: object) -> bool:
 
 def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:
     """The values of idx (host-synchronising): every slot < num_slots (``<= 0`` skips the row) and no slot > 0 twice."""
-    if _capturing(pool.device):
+    if capturing(pool.device):
         raise ValueError(f"check_idx: the idx value checks read idx on the host, which a CUDA graph capture forbids "
                          f"(unset {CHECK_IDX_ENV} or pass check_idx=False while capturing)")
     if not idx.numel():

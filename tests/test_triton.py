@@ -165,7 +165,7 @@ def test_gluon_code_dequantisation():
         src = a | (b << 32)
         return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
 
-    codes = list(range(-127, 128))
+    codes = list(range(-lq.QMAX, lq.QMAX + 1))
     pairs = [(c & 0xFF) | ((codes[(i + 7) % len(codes)] & 0xFF) << 8) for i, c in enumerate(codes)]
     x = torch.tensor([[prmt(w ^ flip, one, sel) for sel in sels] for w in pairs], dtype=torch.int64)
     x = x.to(torch.int32).view(torch.float32)                          # [255, 2]: the pair's two codes
@@ -176,7 +176,7 @@ def test_gluon_code_dequantisation():
     assert torch.equal(t.double(), c * 2.0 ** -15), "x - shift is not exactly c 2^-15"
     got = (t[:, :, None] * a).double()                                 # fp32 product, one rounding
     assert torch.all(got[c == 0] == 0), "code 0 does not dequantise to exactly 0"
-    step = s_k.double() / 127
+    step = s_k.double() / lq.QMAX
     err = ((got - c[:, :, None] * step) / step).abs()
     assert torch.all(err <= 2.0 ** -22 * c.abs()[:, :, None]), f"worst {(err / c.abs().clamp_min(1)[:, :, None]).max():.3g}"
 

@@ -11,16 +11,20 @@ import json
 import uuid
 from pathlib import Path
 
+from ..criterion import ABS_BOUND, REL_FLOOR, REL_SLACK
+from ..numerics import EPS, FP16_MAX, GS_ABS_FLOOR, QMAX, K, L, R, V
+
 HERE = Path(__file__).parent
 BATCHES = (16, 32, 64, 128, 256, 512)
 
-_COMMON = '''import torch
+# the constants are leapquant.numerics' (the text written out is self-contained)
+_COMMON = f'''import torch
 
-V, K, L, R, QMAX, EPS, FP16_MAX = 128, 128, 16, 4, 127, 1e-12, 65504.0
+V, K, L, R, QMAX, EPS, FP16_MAX = {V}, {K}, {L}, {R}, {QMAX}, {EPS!r}, {FP16_MAX!r}
 
 
 def _orth(x):
-    # Gram-Schmidt, each projection applied twice; empty columns (norm <= 1e-30) become zero
+    # Gram-Schmidt, each projection applied twice; empty columns (norm <= {GS_ABS_FLOOR!r}) become zero
     cols = []
     for j in range(x.shape[-1]):
         c = x[..., j]
@@ -28,7 +32,7 @@ def _orth(x):
             for p in cols:
                 c = c - p * (p * c).sum(-1, keepdim=True)
         n = c.norm(dim=-1, keepdim=True)
-        cols.append(torch.where(n > 1e-30, c / n.clamp_min(1e-30), torch.zeros_like(c)))
+        cols.append(torch.where(n > {GS_ABS_FLOOR!r}, c / n.clamp_min({GS_ABS_FLOOR!r}), torch.zeros_like(c)))
     return torch.stack(cols, -1)
 
 
@@ -97,11 +101,16 @@ _OUT = {
     "q": {"shape": ["batch_size", "num_heads", "R", "V"], "dtype": "float16"},
 }
 _AXES = {"batch_size": {"type": "var"}, "num_heads": {"type": "const", "value": 32},
-         "V": {"type": "const", "value": 128}, "K": {"type": "const", "value": 128},
-         "L": {"type": "const", "value": 16}, "R": {"type": "const", "value": 4}}
-_CRITERION = ("judged on the decoded state per head against the exact fp64 rebuild S: err = mean|decode - S| <= "
-              "1.01 x the fp32 reference's err where that is >= 1e-4 mean|S|, else <= 1e-3 mean|S|; outputs finite, "
-              "codes in [-127, 127]")
+         "V": {"type": "const", "value": V}, "K": {"type": "const", "value": K},
+         "L": {"type": "const", "value": L}, "R": {"type": "const", "value": R}}
+def _sci(x: float) -> str:
+    """1e-4 as the criterion's text writes it (not 0.0001, not 1e-04)."""
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+_CRITERION = (f"judged on the decoded state per head against the exact fp64 rebuild S: err = mean|decode - S| <= "
+              f"{REL_SLACK} x the fp32 reference's err where that is >= {_sci(REL_FLOOR)} mean|S|, else <= {_sci(ABS_BOUND)} "
+              f"mean|S|; outputs finite, codes in [-{QMAX}, {QMAX}]")
 
 
 def definitions() -> dict[str, dict]:

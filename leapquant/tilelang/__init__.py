@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from .. import dispatch
-from ..layout import GATES, Pool, on_pool_device
+from ..layout import GATES, Pool, buffer_addresses, on_pool_device, same_objects
 from .config import SUPPORTED_HEADS, FlushConfig, shared_bytes
 
 #: the tilelang releases the kernel is validated on, and how. "gpu": the GPU suite (every input family, both gates,
@@ -37,7 +37,7 @@ REQUIRED_TILELANG = {"0.1.12": "gpu", "0.1.13": "build", "0.1.14": "build", "0.1
 ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
 _KERNELS: dict[FlushConfig, object] = {}
-#: per pool: (the buffers the arguments were made from, the kernel's pool arguments), see _call_args
+#: per pool: (the buffers the arguments were made from, their addresses, the kernel's pool arguments), see _call_args
 _ARGS: "weakref.WeakKeyDictionary[Pool, tuple]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
@@ -170,13 +170,14 @@ def warmup(pool: Pool) -> None:
 
 
 def _call_args(pool: Pool) -> tuple:
-    """The pool's part of the kernel's arguments, made once per set of buffers: raw as int32 / fp32 / fp16 views, the
-    window tensors, and one-element stand-ins for the other gate's tensors (the kernel's signature has both)."""
+    """The pool's part of the kernel's arguments, made once per set of buffers (and again when memory is swapped behind
+    one): raw as int32 / fp32 / fp16 views, the window tensors, and one-element stand-ins for the other gate's
+    tensors (the kernel's signature has both)."""
     buffers = (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.hcnt,
                *((pool.pcum, pool.gbuf) if pool.gate == "kda" else (pool.p,)))
     cached = _ARGS.get(pool)
-    if cached is not None and len(cached[0]) == len(buffers) and all(a is b for a, b in zip(cached[0], buffers)):
-        return cached[1]
+    if cached is not None and same_objects(cached[0], buffers) and cached[1] == buffer_addresses(buffers):
+        return cached[2]
     dev, raw = pool.device, pool.raw
     if pool.gate == "kda":
         pcum, gbuf, p = pool.pcum, pool.gbuf, torch.ones(1, 1, dtype=torch.float32, device=dev)
@@ -186,7 +187,7 @@ def _call_args(pool: Pool) -> tuple:
         p = pool.p
     args = (raw.view(torch.int32), raw, raw.view(torch.float16), pool.kbuf, pool.ubuf, pool.w, pcum, gbuf, p,
             pool.hcnt)
-    _ARGS[pool] = (buffers, args)
+    _ARGS[pool] = (buffers, buffer_addresses(buffers), args)
     return args
 
 

@@ -106,7 +106,8 @@ class Thread:
 
 
 def region_word(slot, head, num_heads):
-    """First fp32 word of the (slot, head) region of the pool (int64: a large pool exceeds 2^31 halfwords)."""
+    """First fp32 word of the (slot, head) region of the pool (int64: a large pool exceeds 2^31 halfwords): the kernel's
+    form of :func:`leapquant.layout.region_word`, from the same constants."""
     import tilelang.language as T
     return T.cast(slot, I64) * slot_stride(num_heads) + T.cast(head * REGION_WORDS + OFF, I64)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import ALIGN_BYTES, CHECKPOINT_BYTES, CHECKPOINT_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
+from ..layout import ALIGN_BYTES, CHECKPOINT_BYTES, GATES, CHECKPOINT_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
 from ..numerics import K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, V
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
@@ -150,7 +150,7 @@ class FlushConfig:
     def __post_init__(self) -> None:
         if self.num_heads not in SUPPORTED_HEADS:
             raise ValueError(f"num_heads {self.num_heads} not in {SUPPORTED_HEADS}")
-        if self.gate not in ("kda", "gdn"):
+        if self.gate not in GATES:
             raise ValueError(f"gate {self.gate!r}")
         if self.num_sms < MIN_GRID:
             raise ValueError(f"num_sms {self.num_sms} < {MIN_GRID}")

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import re
 
-from ..numerics import RINT_MAGIC
-
-#: 2^23 + 128: a code byte b (of a word whose sign bits were flipped) placed as the low mantissa byte of 2^23 reads
-#: 2^23 + 128 + code, so subtracting this constant gives the code exactly (lq_code)
-CODE_BIAS = 2.0 ** 23 + 128
+from ..numerics import CODE_BIAS, CODE_BIAS_BITS, RINT_MAGIC
 
 _PRELUDE = r"""
 __device__ __forceinline__ unsigned lq_pack_bf16x2(float lo, float hi) {
@@ -34,7 +30,7 @@ __device__ __forceinline__ unsigned lq_key_part(float k0, float k1, int part) {
 // becomes the low mantissa byte of 2^23 (PRMT), and subtracting 2^23 + 128 is exact. Two full-rate instructions
 // instead of I2F, which issues at a quarter of the rate on the conversion pipe (64 per thread per program)
 __device__ __forceinline__ float lq_code(unsigned biased_word, int b) {
-  return __uint_as_float(__byte_perm(biased_word, 0x4b000000u, 0x7650u + b)) - @CODE_BIAS@f;
+  return __uint_as_float(__byte_perm(biased_word, @CODE_BIAS_BITS@u, 0x7650u + b)) - @CODE_BIAS@f;
 }
 // four values x_i * scale rounded half to even and packed as int8 bytes, little-endian: fma(x, scale, 1.5 * 2^23)
 // rounds the exact product to an integer in the low mantissa bits (its low byte is the two's-complement code), so no
@@ -116,7 +112,8 @@ __device__ __forceinline__ void lq_mma_f16_k8(float* c0, float* c1, float* c2, f
 }
 """
 #: the helpers every build has (``prelude`` of the kernel)
-PRELUDE = _PRELUDE.replace("@RINT_MAGIC@", f"{RINT_MAGIC}").replace("@CODE_BIAS@", f"{CODE_BIAS}")
+PRELUDE = (_PRELUDE.replace("@RINT_MAGIC@", f"{RINT_MAGIC}").replace("@CODE_BIAS_BITS@", f"{CODE_BIAS_BITS:#x}")
+           .replace("@CODE_BIAS@", f"{CODE_BIAS}"))
 assert re.search(r"@[A-Z_]+@", PRELUDE) is None
 
 #: the clock-stamp builds' helpers (FlushConfig.clock), put before PRELUDE in those builds only:

@@ -92,7 +92,7 @@ _RINT_MAGIC = gl.constexpr(RINT_MAGIC)
 #: multiplication by A = 2^15 s_k / 127 rounds c s_k / 127 once. Folding the subtraction into an FMA with the rounded
 #: B = (1 + 2^-8) A saves the FADD but leaves code 0 at B's rounding error instead of 0: an all-zero state (zero codes,
 #: positive scales: a caller's checkpoint can be so) then decodes to ~1e-8 noise, which the criterion rejects
-_CODE_SCALE = gl.constexpr(32768.0 / 127.0)
+_CODE_SCALE = gl.constexpr(2.0 ** 15 / QMAX)
 _CODE_SHIFT = gl.constexpr(1.0 + 2.0 ** -8)
 _CODE_BYTES_ASM = gl.constexpr(
     "{ .reg .b32 t, one; xor.b32 t, $2, 0x8080; mov.b32 one, 0x3F800000; "

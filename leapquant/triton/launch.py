@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..layout import Pool, on_pool_device, slot_stride
+from ..layout import Pool, buffer_addresses, capturing, on_pool_device, same_objects, slot_stride
 from . import step_kernel, tl_kernel
 from .tl_kernel import INTERPRETED
 
@@ -117,15 +117,11 @@ class _Workspace:
 _WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
 
 
-def _capturing(pool: Pool) -> bool:
-    return pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _workspace(pool: Pool, rows: int) -> _Workspace:
     ws = _WORKSPACES.get(pool)
     if ws is not None and ws.rows >= rows and ws.raw_u8.data_ptr() == pool.raw.data_ptr():
         return ws
-    if _capturing(pool):
+    if capturing(pool.device):
         raise RuntimeError(f"leapquant triton flush: call leapquant.warmup(pool) (or flush once) with at least {rows} "
                            f"rows outside CUDA graph capture first: the workspace and kernels are made there")
     cap = max(rows, MIN_ROW_CAPACITY, ws.rows if ws is not None else 0)
@@ -201,11 +197,11 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
     The JIT specialises a kernel on its pointers' 16-byte alignment (not q0's and idx's, which change per call) and
     on the values of nothing else it is given at run time (N, num_slots and SS are not specialised), so one compiled
     kernel serves every call on these buffers: it is launched directly through its own launcher."""
-    if _capturing(pool):
+    if capturing(pool.device):
         raise RuntimeError("leapquant triton flush: call leapquant.warmup(pool) outside CUDA graph capture first "
                            "(the kernel is compiled and bound to the pool's buffers there)")
     ws.buffers = pool_buffers(pool)
-    ws.addresses = _addresses(ws.buffers)
+    ws.addresses = buffer_addresses(ws.buffers)
     ws.kernel = kernel_name_for(pool.device)
     fn = kernel_fn(ws.kernel)
     args = _flush_args(pool, ws, q0, idx)
@@ -226,16 +222,6 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
         ws.launch = launch
 
 
-def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _addresses(buffers: tuple) -> tuple:
-    """Where the bound buffers' data start: the compiled kernel is specialised on their 16-byte alignment, so memory
-    swapped behind a kept buffer object (``t.data = ...``) binds again."""
-    return tuple(t.data_ptr() for t in buffers)
-
-
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
 
@@ -245,7 +231,8 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         return
     with on_pool_device(pool):
         ws = _workspace(pool, idx.numel())
-        if ws.launch is None or not _same(ws.buffers, pool_buffers(pool)) or ws.addresses != _addresses(ws.buffers):
+        bound = same_objects(ws.buffers, pool_buffers(pool)) and ws.addresses == buffer_addresses(ws.buffers)
+        if ws.launch is None or not bound:
             _bind(pool, ws, q0, idx)
         ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
 

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
-from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, EPS, FP16_MAX, K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES,
-                        QMAX, R, RINT_MAGIC, V)
+from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, CODE_BIAS, CODE_BIAS_BITS, EPS, FP16_MAX, K, L,
+                        P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, RINT_MAGIC, V)
 
 assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
 
@@ -71,11 +71,10 @@ _SV_WORD = _const(SV_BYTE // 4)
 _TOK_HALF = _const(TOK_BYTE // 2)
 #: rounding to the nearest code without a rounding or conversion instruction: leapquant.numerics.RINT_MAGIC
 _RINT_MAGIC = _const(RINT_MAGIC)
-#: a code byte b (unsigned view) as a float: (b ^ 0x80) is code + 128 in 0..255; as the low mantissa byte of 2^23 it
-#: gives the float 2^23 + code + 128, and subtracting 2^23 + 128 is exact (no I2F)
-_CODE_BIAS_BITS = _const(0x4B000000)
+#: a code byte b (unsigned view) as a float, exactly: (b ^ 0x80) is code + 128 in 0..255 (leapquant.numerics.CODE_BIAS)
+_CODE_BIAS_BITS = _const(CODE_BIAS_BITS)
 _CODE_SIGN = _const(0x80)
-_CODE_OFFSET = _const(8388736.0)
+_CODE_OFFSET = _const(CODE_BIAS)
 _BYTE = _const(0xFF)
 #: every region starts on a multiple of this many fp32 words (OFF, the slot stride and the region size are)
 _ALIGN = _const(math.gcd(OFF, REGION_WORDS))
