@@ -100,17 +100,17 @@ def register(backend: Backend) -> Backend:
 
 def _register_reference() -> None:
     """The reference serves every pool; it is registered here, on first demand, so that asking for it imports only
-    torch and :mod:`leapquant.reference`."""
+    torch, :mod:`leapquant.reference` and :mod:`leapquant.reference_pool`."""
     import torch
 
-    from . import reference
+    from . import reference_pool
     register(Backend(
         name="reference",
-        flush=reference.flush_inplace,
+        flush=reference_pool.flush_inplace,
         reasons=lambda pool: [],
         description="fp32 torch, any device (the semantic definition; slow, host-synchronising)",
         versions=lambda: {"torch": torch.__version__},
-        step=reference.step_inplace,
+        step=reference_pool.step_inplace,
     ))
 
 

@@ -12,10 +12,10 @@ The flush of one program (one sequence and head), in the phases every kernel nam
 * **residual**: ``E = S - q^T u`` with the rounded tokens;
 * **scales**: the smoothing scales ``s_k`` (per column) and ``s_v`` (per row);
 * **codes**: ``round_half_even(127 E / (s_k s_v))``;
-* **reset**: the window emptied (:func:`flush_inplace`).
+* **reset**: the window emptied (:func:`leapquant.reference_pool.flush_inplace`, the reference backend on a pool).
 
 A due program whose window is empty (:func:`empty_window`: every weight 0, no decay) is not flushed: its checkpoint
-and window stay bitwise as they are (:func:`written_programs` lists the programs a flush rewrites).
+and window stay bitwise as they are (:func:`leapquant.reference_pool.written_programs` lists the programs a flush rewrites).
 
 The decode step (SPEC section 7, the ``step`` section at the end of this module) of one program and token: the state
 ``S`` before this token's update is the checkpoint decayed by the gates since it was written plus the live window
@@ -24,14 +24,9 @@ beta (v - S kn)``; the state itself is never stored (the window holds the update
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .numerics import EPS, FP16_MAX, GS_ABS_FLOOR, K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
-
-if TYPE_CHECKING:                     # the pool is only read here: no import of the layout module (which imports this)
-    from .layout import Pool
 
 #: Programs rebuilt at once by the reference flush (and rows stepped at once, this over H): bounds its temporaries
 #: to ~64 MB per fp32 intermediate.
@@ -151,50 +146,6 @@ def empty_window(w: torch.Tensor, *, pcum: torch.Tensor | None = None, p: torch.
             raise ValueError("empty_window: pass pcum (KDA) or p (GDN)")
         return empty & (pcum == 0).all(dim=-1)
     return empty & (p == 1)
-
-
-def due_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, heads) long [n] of the due programs of ``idx`` (``hcnt == L``), each once, in (row, head) order."""
-    slots = idx.to(pool.device, torch.long)
-    slots = torch.where((slots > 0) & (slots < pool.num_slots), slots, torch.zeros_like(slots))
-    slots = torch.unique(slots[slots > 0])
-    due = pool.hcnt[slots] == L                                        # [n, H]
-    row, head = due.nonzero(as_tuple=True)
-    return slots[row], head
-
-
-def written_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, heads) long [n] of the programs a flush of ``idx`` rewrites: the due programs whose window is not
-    empty (:func:`empty_window`), each once, in (row, head) order. A flush writes nothing anywhere else."""
-    slots, heads = due_programs(pool, idx)
-    gate = dict(pcum=pool.pcum[slots, heads]) if pool.gate == "kda" else dict(p=pool.p[slots, heads])
-    keep = ~empty_window(pool.w[slots, heads], **gate)
-    return slots[keep], heads[keep]
-
-
-@pool_writes()
-def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
-    """Reference backend of :func:`leapquant.flush_inplace` (arguments already validated): the programs of
-    :func:`written_programs` are rebuilt, re-compressed and their windows reset; a due program with an empty window
-    is left as it is."""
-    slots, heads = written_programs(pool, idx)
-    for lo in range(0, slots.numel(), PROGRAMS_AT_ONCE):
-        s, h = slots[lo:lo + PROGRAMS_AT_ONCE], heads[lo:lo + PROGRAMS_AT_ONCE]
-        gate = dict(pcum=pool.pcum[s, h], gbuf=pool.gbuf[s, h]) if pool.gate == "kda" else dict(p=pool.p[s, h])
-        tok = pool.tokens[s, h]
-        S = rebuild(pool.codes[s, h], pool.s_k[s, h], pool.s_v[s, h], tok[..., :K], tok[..., K:],
-                    pool.kbuf[s, h], pool.ubuf[s, h], pool.w[s, h], **gate)
-        codes, s_k, s_v, u, q = compress(S, q0)
-        pool.codes[s, h] = codes
-        pool.s_k[s, h] = s_k
-        pool.s_v[s, h] = s_v
-        pool.tokens[s, h] = torch.cat([u, q], dim=-1)
-        pool.w[s, h] = 0.0
-        if pool.gate == "kda":
-            pool.pcum[s, h] = 0.0
-            pool.gbuf[s, h] = 1.0
-        else:
-            pool.p[s, h] = 1.0
 
 
 # ---- the decode step (SPEC section 7) ------------------------------------------------------------------------------
@@ -362,51 +313,3 @@ def step_reference(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u:
     if p is None:
         return head + (r["en"].to(torch.float16), r["w_new"], r["pcum_new"])
     return head + (r["w_new"], r["p_new"])
-
-
-@pool_writes()
-def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 A_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor, num_k_heads: int,
-                 beta_bf16: bool) -> None:
-    """Reference backend of :func:`leapquant.step_inplace` (arguments already validated; ``out`` given).
-
-    Rows whose slot is outside [1, num_slots) get a zero output and write nothing. Each stepped program appends its
-    entry h (the fill count, L read as 0): kbuf / ubuf (and KDA gbuf) entry h, ``w[h] = 1`` (GDN: the live weights
-    decayed too), pcum (KDA) or p (GDN), ``hcnt = h + 1``. Loop-free over the rows in chunks of :data:`PROGRAMS_AT_ONCE`
-    programs (it reads the valid rows on the host: a synchronisation, as every reference call)."""
-    H, Hk = pool.num_heads, num_k_heads
-    slots = idx.to(torch.long)
-    valid = (slots > 0) & (slots < pool.num_slots)
-    out.masked_fill_(~valid[:, None, None], 0.0)
-    rows_all = valid.nonzero().flatten()
-    heads = torch.arange(H, device=pool.device)
-    step_rows = max(1, PROGRAMS_AT_ONCE // H)
-    for lo in range(0, rows_all.numel(), step_rows):
-        rows = rows_all[lo:lo + step_rows]
-        s = slots[rows]
-        tok = qkv[rows]
-        n = rows.numel()
-        qx = tok[:, :Hk * K].reshape(n, Hk, K)
-        kx = tok[:, Hk * K:2 * Hk * K].reshape(n, Hk, K)
-        vx = tok[:, 2 * Hk * K:].reshape(n, H, V)
-        hc = pool.hcnt[s]
-        # a fill count of L is "just flushed, empty"; a count outside [0, L] is outside the domain (clamped so that
-        # the reference never writes outside the window)
-        h = torch.where(hc == L, torch.zeros_like(hc), hc).clamp(0, L - 1).long()
-        gate = dict(gbuf=pool.gbuf[s], pcum=pool.pcum[s]) if pool.gate == "kda" else dict(p=pool.p[s])
-        tokens = pool.tokens[s]
-        r = step_math(pool.codes[s], pool.s_k[s], pool.s_v[s], tokens[..., :K], tokens[..., K:], pool.kbuf[s],
-                      pool.ubuf[s], pool.w[s], h, qx, kx, vx, a[rows], b[rows], A_log, dt_bias, **gate,
-                      beta_bf16=beta_bf16)
-        si, hi = s.unsqueeze(1).expand(n, H), heads.unsqueeze(0).expand(n, H)
-        pool.kbuf[si, hi, h] = r["kn"].to(torch.bfloat16)
-        pool.ubuf[si, hi, h] = r["u_new"].to(torch.bfloat16)
-        if pool.gate == "kda":
-            pool.gbuf[si, hi, h] = r["en"].to(torch.float16)
-            pool.w[si, hi, h] = 1.0
-            pool.pcum[s] = r["pcum_new"]
-        else:
-            pool.w[s] = r["w_new"]            # the live weights decayed, w[h] = 1, the rest as they were (bitwise)
-            pool.p[s] = r["p_new"]
-        pool.hcnt[s] = (h + 1).to(torch.int32)
-        out[rows] = r["o"].to(torch.bfloat16)

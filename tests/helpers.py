@@ -102,9 +102,9 @@ def assert_flush_footprint(pool: Pool, before: dict[str, torch.Tensor], slots: t
 # ---- shared by the kernel suites: the deployment form judged by the criterion ---------------------------------------
 def written_programs(pool: Pool, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots, heads) long [n] (CPU) of the programs a flush of ``idx`` must rewrite: due (hcnt == L, slot in
-    [1, NS)) with a window that is not empty (leapquant.reference.written_programs, the one definition)."""
-    from leapquant import reference
-    slots, heads = reference.written_programs(pool, idx)
+    [1, NS)) with a window that is not empty (leapquant.reference_pool.written_programs, the one definition)."""
+    from leapquant import reference_pool
+    slots, heads = reference_pool.written_programs(pool, idx)
     return slots.cpu(), heads.cpu()
 
 
@@ -145,8 +145,8 @@ def empty_windows(pool: Pool, slots: torch.Tensor, heads: torch.Tensor, decay: b
 def mixed_windows(pool: Pool, idx: torch.Tensor, seed: int) -> None:
     """Of the due programs of ``idx``, about a third get an empty window and a sixth a window that only decays
     (:func:`empty_windows`); the others keep theirs. Programs not due are left as they are."""
-    from leapquant import reference
-    slots, heads = (t.cpu() for t in reference.due_programs(pool, idx))
+    from leapquant import reference_pool
+    slots, heads = (t.cpu() for t in reference_pool.due_programs(pool, idx))
     kind = torch.rand(len(slots), generator=torch.Generator().manual_seed(seed))
     empty, decay = kind < 1 / 3, (kind >= 1 / 3) & (kind < 1 / 2)
     empty_windows(pool, slots[empty], heads[empty])

@@ -24,7 +24,7 @@ TINY = ["--heads", str(HEADS), "--check-rows", "1", "--repeats", "2", "--max-sec
 FAKE_IMPL = '''
 """A tiny implementation with the interface of --impl, built on leapquant's reference."""
 import leapquant
-from leapquant import reference
+from leapquant import reference_pool
 {extra}
 
 class Pool(leapquant.Pool):
@@ -32,7 +32,7 @@ class Pool(leapquant.Pool):
         super().__init__(num_slots, {heads}, device=device, gate={gate})
 
 def flush_inplace(pool, idx, q0):
-    reference.flush_inplace(pool, idx, q0)
+    reference_pool.flush_inplace(pool, idx, q0)
     {damage}
 '''
 

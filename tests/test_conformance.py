@@ -19,7 +19,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 import leapquant as lq
-from leapquant import criterion, dispatch, families, reference, step_families
+from leapquant import criterion, dispatch, families, reference, reference_pool, step_families
 from leapquant.layout import L, Pool
 from helpers import (POISON_CODE, assert_flush_footprint, check_graph_replay, empty_windows, judge_programs,
                      mixed_windows, noisy_pool, nothing_due_launches, poison_due_checkpoints, program_inputs, snapshot,
@@ -253,7 +253,7 @@ def test_decay_only_window_is_flushed(backend, gate):
     heads = _heads_for(backend)
     served(backend, heads, gate)
     pool, idx = noisy_pool(gate, heads, 17, DEVICE)
-    due_s, due_h = (t.cpu() for t in reference.due_programs(pool, idx))
+    due_s, due_h = (t.cpu() for t in reference_pool.due_programs(pool, idx))
     decay, empty = torch.arange(len(due_s)) % 2 == 0, torch.arange(len(due_s)) % 2 == 1
     empty_windows(pool, due_s[decay], due_h[decay], decay=True)
     empty_windows(pool, due_s[empty], due_h[empty])
@@ -296,7 +296,7 @@ def test_nan_weight_is_not_empty(backend, gate):
     heads = _heads_for(backend)
     served(backend, heads, gate)
     pool, idx = noisy_pool(gate, heads, 19, DEVICE)
-    due_s, due_h = (t.cpu() for t in reference.due_programs(pool, idx))
+    due_s, due_h = (t.cpu() for t in reference_pool.due_programs(pool, idx))
     empty_windows(pool, due_s, due_h)
     pool.w[int(due_s[0]), int(due_h[0]), 5] = float("nan")
     slots, hs = written_programs(pool, idx)
@@ -357,7 +357,7 @@ def test_gpu_empty_windows(backend, kernel, gate, monkeypatch):
     idx = idx.to(DEVICE, torch.int32)
     mixed_windows(pool, idx, seed=31)
     s, h = written_programs(pool, idx)
-    due = len(reference.due_programs(pool, idx)[0])
+    due = len(reference_pool.due_programs(pool, idx)[0])
     assert 0 < len(s) < due, (len(s), due)
     inputs = program_inputs(pool, s, h)
     q0 = lq.default_q0(DEVICE)

@@ -19,7 +19,7 @@ TINY = ["--heads", "2", "--check-rows", "1", "--repeats", "2", "--max-seconds", 
 FAKE_SEED = '''
 """A stand-in for the seed kernel's file: its interface, leapquant's reference inside."""
 import leapquant
-from leapquant import reference
+from leapquant import reference_pool
 
 class Pool:
     def __init__(self, num_slots, device="cpu"):
@@ -29,7 +29,7 @@ class Pool:
         self.uq = self._pool.tokens           # the seed's name for the Compensator Tokens; no `tokens`
 
 def flush_inplace(pool, idx, q0):
-    reference.flush_inplace(pool._pool, idx, q0)
+    reference_pool.flush_inplace(pool._pool, idx, q0)
 '''
 
 
