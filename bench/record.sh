@@ -4,6 +4,7 @@
 #   RECORD-step.*    the decode step, every program stepping, window at fill 1 and 15, fla's decode beside it
 #   RECORD-decode.*  one decode token (step + the flush it makes due) at the steady state, fla's decode beside it
 #   E2E.md           512 decoded tokens against the fp64 recurrence, beside fp32- and bf16-state recurrences
+#   EAGER.md         the host wall-clock of an eager flush_inplace call (not appended to history.csv)
 # and appends every timed row to bench/results/history.csv. Usage: bench/record.sh [OUT_DIR] [extra bench options]
 # (OUT_DIR defaults to bench/results; COMMIT=<sha> names the commit where the checkout has no .git).
 set -euo pipefail
@@ -15,3 +16,5 @@ python -m leapquant bench --record "$out" --backends reference triton tilelang -
 python -m leapquant bench --op step --record "$out" --backends triton --gate kda gdn --commit "$commit" --quiet "$@"
 python -m leapquant bench --op decode --record "$out" --backends auto triton --gate kda gdn --commit "$commit" --quiet "$@"
 python -m leapquant.e2e --backend auto --out "$out/E2E.md" --commit "$commit"
+python -m leapquant bench --backends triton tilelang --batch 256 --due none all --gate kda gdn --timer wall \
+    --repeats 48 --no-refcheck --commit "$commit" --quiet --md "$out/EAGER.md" "$@"
