@@ -301,3 +301,34 @@ def test_functional_forms_from_two_threads_at_once():
     for B in (1, 3, 4):
         lq.run(*families.make_case(B, H, "kda", seed=0).args(), backend="reference")
     assert len(api._SCRATCH.pools) == api.SCRATCH_POOLS
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_step_inputs_off_a_16_byte_boundary(gate, backend):
+    """The per-call tensors may sit anywhere an engine's slicing leaves them: qkv one element into a projection's
+    output (row stride not a multiple of 16 bytes), a, b and out one element into buffers of their own. The step
+    gives the same bytes as with fresh tensors (the Triton kernels are specialised on their pointers' alignment at
+    launch)."""
+    t = _token(gate)
+    W = t["qkv"].shape[1]
+    results = []
+    for shifted in (False, True):
+        pool = _pool(gate)
+        if shifted:
+            proj = torch.zeros(N, W + 3, dtype=torch.bfloat16, device=DEVICE)
+            proj[:, 1:1 + W] = t["qkv"]
+            qkv = proj[:, 1:1 + W]
+            a = torch.zeros(t["a"].numel() + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(t["a"].shape)
+            a.copy_(t["a"])
+            b = torch.zeros(t["b"].numel() + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(t["b"].shape)
+            b.copy_(t["b"])
+            out = torch.zeros(N * H * V + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(N, H, V)
+            assert qkv.data_ptr() % 16 and out.data_ptr() % 16
+        else:
+            qkv, a, b, out = t["qkv"], t["a"], t["b"], None
+        o = lq.step_inplace(pool, t["idx"], qkv, a, b, t["A_log"], t["dt_bias"], out, backend=backend)
+        results.append((o.clone(), snapshot(pool)))
+    assert torch.equal(results[0][0], results[1][0])
+    for name, first in results[0][1].items():
+        assert torch.equal(first, results[1][1][name]), name

@@ -1,16 +1,14 @@
-"""Times the Triton step kernels' variants on one GPU, L2-cold, CUDA kernel time (leapquant.bench_common.time_calls_kernel),
-KDA and GDN, window at fill 1 and 15, every program stepping: the Gluon kernel (also under register caps, --maxnreg),
-another version of it from a file (--gluon-file, e.g. `git show <commit>:leapquant/triton/gluon_step_kernel.py`: an
-A/B on one machine; a kernel that takes ``num_rows`` is launched as a persistent grid of the programs resident at
-once) and the portable kernel. Prints one markdown table.
+"""Times the Triton step kernels' variants on one GPU, L2-cold, CUDA kernel time
+(leapquant.bench_common.time_calls_kernel), KDA and GDN, window at fill 1 and 15, every program stepping: the Gluon
+kernel (also under register caps, --maxnreg), another version of it from a file (--gluon-file, e.g. `git show
+<commit>:leapquant/triton/gluon_step_kernel.py`: an A/B on one machine; a kernel that takes ``num_rows`` is launched
+as a persistent grid of the programs resident at once) and the portable kernel. Prints one markdown table.
 Dev tool: python bench/dev/step_variants.py --batch 256 [--maxnreg 80 72] [--gluon-file old.py ...] [--no-tl]."""
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import re
 import sys
-import tempfile
 
 import torch
 
@@ -49,18 +47,20 @@ def launch(kernel, warps, bv, pool, idx, tk, hk):
 
 
 def load_gluon_file(path: str):
-    """The Gluon step kernel module from a file of the package's form (its relative imports made absolute)."""
-    src = open(path).read()
-    src = re.sub(r"^from \.\.(\w+) import", r"from leapquant.\1 import", src, flags=re.M)
-    src = re.sub(r"^from \.(\w+) import", r"from leapquant.triton.\1 import", src, flags=re.M)
-    # Gluon compiles from the source file, so the module must live in a real file
-    tmp = tempfile.NamedTemporaryFile("w", suffix="_gluon_step_variant.py", delete=False)
-    tmp.write(src)
-    tmp.close()
-    spec = importlib.util.spec_from_file_location("gluon_step_variant", tmp.name)
+    """The Gluon step kernel module from a file of the package's form (e.g. another commit's
+    ``leapquant/triton/gluon_step_kernel.py``), loaded as a module of ``leapquant.triton`` so that its relative
+    imports resolve as they do in the package; Gluon compiles from the file itself."""
+    name = f"leapquant.triton._step_variant_{len(_VARIANTS)}"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
+    _VARIANTS.append(mod)
     return mod
+
+
+#: the variant modules loaded so far (each under a name of its own)
+_VARIANTS: list = []
 
 
 def main() -> None:
