@@ -17,4 +17,4 @@ python -m leapquant bench --op step --record "$out" --backends triton --gate kda
 python -m leapquant bench --op decode --record "$out" --backends auto triton --gate kda gdn --commit "$commit" --quiet "$@"
 python -m leapquant.e2e --backend auto --out "$out/E2E.md" --commit "$commit"
 python -m leapquant bench --backends triton tilelang --batch 256 --due none all --gate kda gdn --timer wall \
-    --repeats 48 --no-refcheck --commit "$commit" --quiet --md "$out/EAGER.md" "$@"
+    --repeats 48 --no-refcheck --commit "$commit" --quiet --md "$out/EAGER.md"

@@ -11,7 +11,7 @@ import torch
 from . import dispatch
 from .layout import L, V, Pool
 from .reference import pool_writes
-from .validate import (check_flush_args, check_flag, check_pool, check_run_args, check_step_args,
+from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_run_args, check_step_args,
                        check_step_run_args)
 
 
@@ -50,8 +50,9 @@ def warmup(pool: Pool, *, backend: str | None = None) -> str:
     return b.name
 
 
-#: scratch pools the functional forms keep per thread: those of the most recent shapes (B, H, device, gate)
-SCRATCH_POOLS = 2
+#: scratch pools the functional forms keep per thread (for its most recent shapes: B, H, device, gate); a pool of
+#: B + 1 slots holds about B x H x 81 KB (KDA; 0.66 GB at B = 256, H = 32) until its thread ends or it is replaced
+SCRATCH_POOLS = 1
 _SCRATCH = threading.local()
 
 
@@ -163,7 +164,7 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
     Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per layer per token for an engine; on
     the GPU backends both are graph-capturable launches (a separate step kernel and flush kernel: not fused)."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
-    check_flush_args(pool, idx, q0, check_idx=False)            # (idx's values, if asked for, checked just above)
+    check_q0(pool, q0)                        # (the pool and idx, and idx's values if asked for: checked just above)
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
     flush_backend = dispatch.select(pool, idx.numel(), backend)
     out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)

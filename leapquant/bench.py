@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-seconds", type=float, default=10.0,
                         help="stop timing one point after this many seconds (at least 3 calls; default 10)")
     parser.add_argument("--rotate", type=int, default=8,
-                        help="disjoint slot sets flushed in rotation, so no call finds its data in L2 (default 8, "
+                        help="disjoint slot sets used in rotation, so no call finds its data in L2 (default 8, "
                              "the least allowed)")
     parser.add_argument("--timer", choices=("kernel", "graph", "eager", "wall"), default="kernel",
                         help="GPU: 'kernel' (default) = CUDA kernel time from torch.profiler: per call, first kernel "
@@ -545,7 +545,7 @@ def _header(env: dict) -> str:
         f"- timing: {env['timing_long']}",
         f"- timer floor: {env['timer_floor_us']:.2f} us — the same timing around one tiny kernel "
         f"(what an empty call costs with this method here; it is inside every time below)",
-        f"- L2-cold: {env['rotate']} disjoint slot sets flushed in rotation",
+        f"- L2-cold: {env['rotate']} disjoint slot sets used in rotation",
         f"- correctness: {env['check_long']}",
         f"- versions: python {env['python']}, torch {env['torch']}, triton {env['triton']}, "
         f"tilelang {env['tilelang']}; commit {env['commit']}",

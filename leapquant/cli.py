@@ -139,8 +139,8 @@ def _demo_decode(args: argparse.Namespace, device, batch: int) -> bool:
     name = dispatch.requested(args.backend)
     forced = dispatch.get_backend(name) if name != "auto" else None
     if forced is not None and forced.step is None:
-        print(f"decode: not run: the {name} backend has no step kernel (without --backend the demo decodes with "
-              "each op's own choice)")
+        print(f"decode: not run: the {name} backend has no step kernel (without a forced backend, --backend or "
+              f"{dispatch.ENV_VAR}, the demo decodes with each op's own choice)")
         return True
     r = e2e.simulate(args.gate, backend=args.backend, device=device, batch=batch, heads=args.heads, tokens=tokens,
                      last=tokens, prefill=DEMO_PREFILL, seed=args.seed)

@@ -5,7 +5,7 @@ already validated), and says why it cannot serve a pool through ``reasons(pool) 
 The decode step is a second op with the same rules: a backend's optional ``step(pool, idx, qkv, a, b, A_log, dt_bias,
 out, num_k_heads, beta_bf16) -> None`` (None: it has no step kernel, which is then its reason), and optionally its
 own ``step_reasons(pool)`` (default: the flush's ``reasons``). :func:`select` and :func:`reasons` take ``op="flush"``
-or ``op="step"`` (default ``"flush"``, so every flush call reads as before).
+or ``op="step"`` (default ``"flush"``).
 
 Choice, in this order of precedence:
   * ``backend=`` on the call, or an enclosing ``with leapquant.use_backend(name):``;
@@ -82,9 +82,9 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 _LOGGED: set[tuple] = set()
-#: resolved choices per (device, gate, heads, requested name, rows, op): the capability checks run once per geometry
-#: (a backend's reasons read the pool's device and geometry, nothing else of it: every pool's buffers have the same
-#: alignment, :func:`leapquant.layout.check_dense`)
+#: resolved choices per (device, gate, heads, requested name, rows, op, where the pool's fill counts (and GDN's gate
+#: products) start: ``Pool.loose_alignment``): the capability checks run once per such key (a backend's reasons read
+#: the pool's device and geometry and that alignment, nothing else of it; every other buffer of a pool is aligned)
 _CHOSEN: dict[tuple, Backend] = {}
 _local = threading.local()
 
@@ -217,7 +217,7 @@ def select(pool: Pool, num_rows: int, backend: str | None = None, op: str = "flu
     """The backend that will run ``op`` (``"flush"``, the default, or ``"step"``) on ``num_rows`` rows of ``pool``."""
     _check_op(op)
     name = requested(backend)
-    key = (str(pool.device), pool.gate, pool.num_heads, name, num_rows, op)
+    key = (str(pool.device), pool.gate, pool.num_heads, name, num_rows, op, pool.loose_alignment())
     chosen = _CHOSEN.get(key)
     if chosen is not None and _REGISTRY.get(chosen.name) is chosen:
         return chosen

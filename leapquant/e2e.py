@@ -355,8 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="commit recorded in the report (default: git of the checkout)")
     args = parser.parse_args(argv)
 
-    from .dispatch import default_device, device_description
-    device = torch.device(args.device) if args.device else default_device()
+    from .dispatch import device_description
+    from .options import UsageError, parse_device
+    try:
+        device = parse_device(args.device)
+    except UsageError as e:
+        print(f"python -m leapquant.e2e: error: {e}", file=sys.stderr)
+        return 2
     results = []
     for gate in args.gates:
         t0 = time.perf_counter()

@@ -38,10 +38,14 @@ SV_BYTE = SK_BYTE + 4 * K        #: byte offset of s_v (16896)
 TOK_BYTE = SV_BYTE + 4 * V       #: byte offset of the fp16 tokens (17408)
 CHECKPOINT_BYTES = TOK_BYTE + 2 * R * (K + V)  #: 19456
 CHECKPOINT_WORDS = CHECKPOINT_BYTES // 4
-#: ``raw`` starts on a 16-byte boundary (the kernels copy checkpoints in 16-byte pieces): a fresh allocation does, and
-#: so must an engine's raw carved out of a larger buffer. The window tensors should too (TileLang serves only such
-#: pools, and says so; the other backends serve any)
+#: A pool's buffers start on a 16-byte boundary (the GPU kernels copy checkpoints and windows in 16-byte pieces): a
+#: fresh allocation does, and so must an engine's buffer carved out of a larger one. The exceptions are
+#: :data:`LOOSE_ALIGNMENT`'s fields.
 ALIGN_BYTES = 16
+#: the window fields of 4 bytes per (slot, head) (the fill count, GDN's gate product): an engine that stacks them per
+#: layer ([layers, NS, H]) puts a layer's view off a 16-byte boundary whenever NS * H % 4 != 0 (H = 2 per rank,
+#: NS = 257). The pool accepts that (the Triton kernels read them an element at a time); TileLang declines it.
+LOOSE_ALIGNMENT = ("hcnt", "p")
 
 assert CHECKPOINT_BYTES == 19456 and SK_BYTE % 4 == 0 and TOK_BYTE % 4 == 0
 
@@ -316,18 +320,17 @@ class Pool:
         NS, H = num_slots, num_heads
         self.slot_stride = slot_stride(H)
 
-        def take(name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> torch.Tensor:
-            t = buffers.get(name)
-            if t is None:
-                return torch.full(shape, fill, dtype=dtype, device=self.device)
-            check_dense(name, t, shape, dtype, self.device, aligned=True)
-            return t
-
-        self.raw = take("raw", (raw_words(NS, H),), torch.float32, 0.0)
-        for name in self.WINDOW_FIELDS[gate]:            # shapes, dtypes and empty values: FIELDS
-            f = FIELDS[name]
-            setattr(self, name, take(name, (NS, H) + f.shape, f.dtype, f.empty))
-        check_own_buffers(self)
+        # shapes, dtypes and empty values: FIELDS; every buffer the engine gives is checked before any is allocated
+        want = {"raw": ((raw_words(NS, H),), torch.float32, 0.0)}
+        want.update({n: ((NS, H) + FIELDS[n].shape, FIELDS[n].dtype, FIELDS[n].empty)
+                     for n in self.WINDOW_FIELDS[gate]})
+        given = {n: buffers[n] for n in want if buffers.get(n) is not None}
+        for name, t in given.items():
+            check_dense(name, t, want[name][0], want[name][1], self.device, aligned=name not in LOOSE_ALIGNMENT)
+        check_disjoint(given)
+        for name, (shape, dtype, fill) in want.items():
+            setattr(self, name, given[name] if name in given else torch.full(shape, fill, dtype=dtype,
+                                                                               device=self.device))
         self._make_views()
 
     # ---- views of raw ----------------------------------------------------------------------------------------------
@@ -349,6 +352,10 @@ class Pool:
     def q(self) -> torch.Tensor:
         """fp16 [NS, H, R, V] view: the value-side Compensator Tokens."""
         return self.tokens[..., K:]
+
+    def loose_alignment(self) -> tuple[int, ...]:
+        """:func:`loose_alignment` of this pool (a backend's capability check may read it)."""
+        return loose_alignment(self)
 
     def window_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.WINDOW_FIELDS[self.gate]}
@@ -563,16 +570,21 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def check_own_buffers(pool: "Pool") -> None:
-    """Raise ``ValueError`` naming two of the pool's buffers (raw and the window's) whose bytes intersect: an engine's
-    buffers must not share memory (a kbuf that is also the ubuf would take the step's u_new over its kn)."""
-    names = ("raw", *WINDOW_FIELDS[pool.gate])
-    spans = [(n, byte_span(getattr(pool, n))) for n in names]
+def check_disjoint(buffers: dict[str, torch.Tensor], prefix: str = "") -> None:
+    """Raise ``ValueError`` naming two of ``buffers`` (a pool's raw and window tensors, by name) whose bytes intersect:
+    an engine's buffers must not share memory (a kbuf that is also the ubuf would take the step's u_new over its kn)."""
+    spans = [(n, byte_span(t)) for n, t in buffers.items()]
     for i, (n1, (a0, a1)) in enumerate(spans):
         for n2, (b0, b1) in spans[i + 1:]:
             if a0 < b1 and b0 < a1:
-                raise ValueError(f"pool.{n2}: shares memory with pool.{n1} (every buffer of a pool needs its own "
-                                 f"bytes)")
+                raise ValueError(f"{prefix}{n2}: shares memory with {prefix}{n1} (bytes {b0:#x}-{b1:#x} and "
+                                 f"{a0:#x}-{a1:#x}; every buffer of a pool needs its own)")
+
+
+def loose_alignment(pool: "Pool") -> tuple[int, ...]:
+    """The start addresses modulo :data:`ALIGN_BYTES` of the pool's :data:`LOOSE_ALIGNMENT` buffers (every other
+    buffer of a pool is aligned)."""
+    return tuple(getattr(pool, n).data_ptr() % ALIGN_BYTES for n in LOOSE_ALIGNMENT if n in WINDOW_FIELDS[pool.gate])
 
 
 def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -16,8 +16,8 @@ import weakref
 
 import torch
 
-from .layout import (CODES_BYTE, FIELDS, GATES, K, L, OFF, R, V, Pool, buffer_addresses, byte_span, capturing,
-                     check_dense, check_own_buffers, check_tensor, raw_words, same_objects)
+from .layout import (CODES_BYTE, FIELDS, GATES, LOOSE_ALIGNMENT, K, L, OFF, R, V, Pool, buffer_addresses, byte_span,
+                     capturing, check_dense, check_disjoint, check_tensor, raw_words, same_objects)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -53,10 +53,11 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev, aligned=True)
     for name in pool.WINDOW_FIELDS[pool.gate]:
         f = FIELDS[name]
-        check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev, aligned=True)
+        check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev,
+                    aligned=name not in LOOSE_ALIGNMENT)
     if pool.codes.data_ptr() != pool.raw.data_ptr() + 4 * OFF + CODES_BYTE:
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
-    check_own_buffers(pool)
+    check_disjoint({n: getattr(pool, n) for n in ("raw", *pool.WINDOW_FIELDS[pool.gate])}, prefix="pool.")
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
     _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, buffer_addresses(key))
     return pool
@@ -141,10 +142,15 @@ def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | No
     host-synchronising checks of idx's values (:func:`check_idx_values`)."""
     pool = check_pool(pool)
     idx = _check_idx(pool, idx)
-    check_dense("q0", q0, (V, R), torch.float32, pool.device)
+    check_q0(pool, q0)
     if _want_idx_values(check_idx):
         check_idx_values(pool, idx)
     return pool
+
+
+def check_q0(pool: Pool, q0: object) -> None:
+    """q0 fp32 [V, R], dense, on the pool's device."""
+    check_dense("q0", q0, (V, R), torch.float32, pool.device)
 
 
 def _expect(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> None:

@@ -236,11 +236,11 @@ def test_pool_buffers_that_share_memory_are_refused(gate):
     for a buffer swapped in later, at the next call, before anything is written."""
     NS = 3
     kb = torch.zeros(NS, H, L, K, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match=r"pool\.ubuf: shares memory with pool\.kbuf"):
+    with pytest.raises(ValueError, match=r"^ubuf: shares memory with kbuf"):
         lq.Pool(NS, H, gate=gate, device=DEVICE, kbuf=kb, ubuf=kb)
     raw = torch.zeros(lq.layout.raw_words(NS, H), device=DEVICE)
     w_in_raw = raw[: NS * H * L].view(NS, H, L)                   # the weights inside the checkpoints' words
-    with pytest.raises(ValueError, match=r"pool\.w: shares memory with pool\.raw"):
+    with pytest.raises(ValueError, match=r"^w: shares memory with raw"):
         lq.Pool(NS, H, gate=gate, device=DEVICE, raw=raw, w=w_in_raw)
     pool = _pool(gate)
     before = snapshot(pool)
@@ -260,6 +260,8 @@ def test_pool_buffers_off_a_16_byte_boundary_are_refused(gate):
     backend."""
     NS = 3
     for name in ("raw", *lq.Pool.WINDOW_FIELDS[gate]):
+        if name in lq.layout.LOOSE_ALIGNMENT:
+            continue
         f = lq.layout.FIELDS.get(name)
         shape, dtype = ((lq.layout.raw_words(NS, H),), torch.float32) if name == "raw" else ((NS, H) + f.shape, f.dtype)
         arena = torch.zeros(1 + torch.Size(shape).numel(), dtype=dtype, device=DEVICE)
@@ -277,6 +279,71 @@ def test_pool_buffers_off_a_16_byte_boundary_are_refused(gate):
             lq.step_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], backend=backend)
     pool.kbuf = kept
     assert all(torch.equal(before[n], x) for n, x in snapshot(pool).items())
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_fill_counts_stacked_per_layer(gate):
+    """hcnt (and GDN's p) hold 4 bytes per (slot, head): an engine stacking them per layer ([layers, NS, H]) puts
+    layer 1's view off a 16-byte boundary when NS * H % 4 != 0. Such a pool is accepted and decodes as a pool of
+    fresh buffers does on every step backend; TileLang says it cannot serve it, and the dispatch's remembered choice
+    tells the two pools apart."""
+    NS, heads = 3, 2                                          # NS * H = 6: layer 1 starts 24 bytes in
+    fields = [n for n in lq.layout.LOOSE_ALIGNMENT if n in lq.Pool.WINDOW_FIELDS[gate]]
+
+    def layer1() -> dict[str, torch.Tensor]:
+        """Layer 1's views of fresh [2, NS, H] stacks of the 4-byte fields."""
+        return {n: torch.full((2, NS, heads), lq.layout.FIELDS[n].empty, dtype=lq.layout.FIELDS[n].dtype,
+                              device=DEVICE)[1] for n in fields}
+    assert all(t.data_ptr() % lq.layout.ALIGN_BYTES for t in layer1().values())
+    g = torch.Generator().manual_seed(3)
+    A_log, dt_bias = sf.head_constants(heads, gate, g)
+    state = torch.randn(NS - 1, heads, V, K, generator=g)
+    idx = torch.tensor([2, -1, 1], dtype=torch.int32, device=DEVICE)
+    qkv = [torch.randn(3, 2 * heads * K + heads * V, generator=g).bfloat16().to(DEVICE) for _ in range(L + 2)]
+    a = [torch.randn((3, heads, K) if gate == "kda" else (3, heads), generator=g).bfloat16().to(DEVICE)
+         for _ in range(L + 2)]
+    b = [torch.randn(3, heads, generator=g).bfloat16().to(DEVICE) for _ in range(L + 2)]
+    q0 = lq.default_q0(DEVICE)
+    for backend in STEP_BACKENDS:
+        results = []
+        for given in ({}, layer1()):
+            pool = lq.Pool(NS, heads, gate=gate, device=DEVICE, **given)
+            pool.encode([1, 2], state)
+            outs = [lq.decode_inplace(pool, idx, qkv[t], a[t], b[t], A_log.to(DEVICE), dt_bias.to(DEVICE), q0,
+                                      backend=backend).clone() for t in range(L + 2)]
+            results.append((outs, snapshot(pool)))
+        for o1, o2 in zip(results[0][0], results[1][0]):
+            assert torch.equal(o1, o2), backend
+        for name, first in results[0][1].items():
+            assert torch.equal(first, results[1][1][name]), (backend, name)
+    tl = dispatch.get_backend("tilelang")
+    if tl is not None:
+        shifted = lq.Pool(NS, 8, gate=gate, device=DEVICE,
+                          **{n: torch.ones(2 * NS * 8 + 1, dtype=lq.layout.FIELDS[n].dtype,
+                                           device=DEVICE)[1:NS * 8 + 1].view(NS, 8) for n in fields})
+        assert any("16-byte aligned" in w for w in tl.reasons(shifted)), tl.reasons(shifted)
+
+
+def test_the_remembered_choice_tells_loose_alignments_apart(monkeypatch):
+    """Two pools of one geometry, one with its fill counts off a 16-byte boundary: a backend that refuses the second
+    is not chosen for it from the first pool's answer, and forcing it raises."""
+    monkeypatch.setattr(dispatch, "_CHOSEN", {})
+    NS = 3
+    aligned = lq.Pool(NS, H, device=DEVICE)
+    arena = torch.zeros(NS * H + 1, dtype=torch.int32, device=DEVICE)
+    shifted = lq.Pool(NS, H, device=DEVICE, hcnt=arena[1:].view(NS, H))
+
+    def aligned_only(pool):
+        return ["fill counts off the 16-byte boundary"] if any(pool.loose_alignment()) else []
+    ref = dispatch.get_backend("reference")
+    monkeypatch.setitem(dispatch._REGISTRY, "tilelang", dispatch.Backend("tilelang", flush=ref.flush,
+                                                                          reasons=aligned_only))
+    assert dispatch.select(aligned, 2, "tilelang").name == "tilelang"
+    with pytest.raises(lq.BackendUnavailable, match="off the 16-byte boundary"):
+        dispatch.select(shifted, 2, "tilelang")
+    monkeypatch.setattr(dispatch, "_auto_order", lambda pool, rows, op: ["tilelang", "reference"])
+    assert dispatch.select(aligned, 2).name == "tilelang"
+    assert dispatch.select(shifted, 2).name == "reference"
 
 
 def test_functional_forms_from_two_threads_at_once():

@@ -24,8 +24,8 @@ from typing import Iterator
 import torch
 
 from .. import dispatch
-from ..layout import GATES, Pool, buffer_addresses, on_pool_device, same_objects
-from .config import SUPPORTED_HEADS, FlushConfig, shared_bytes
+from ..layout import GATES, LOOSE_ALIGNMENT, Pool, buffer_addresses, on_pool_device, same_objects
+from .config import ALIGN_BYTES, SUPPORTED_HEADS, FlushConfig, shared_bytes
 
 #: the tilelang releases the kernel is validated on, and how. "gpu": the GPU suite (every input family, both gates,
 #: heads 8 / 16 / 32, graph replay) and the benchmark ran with it on the H200. "build": the CPU tier
@@ -53,7 +53,7 @@ def _tilelang_problem() -> str | None:
         gpu = [v for v, how in REQUIRED_TILELANG.items() if how == "gpu"]
         build = [v for v, how in REQUIRED_TILELANG.items() if how == "build"]
         validated = f"{', '.join(gpu)} (run on a GPU)" + (
-            f" and {', '.join(build)} (built with nvcc for sm_90a and sm_100a, not yet run on a GPU)" if build else "")
+            f" and {', '.join(build)} (built with nvcc for sm_90a and sm_100a, not run on a GPU)" if build else "")
         releases = sorted(REQUIRED_TILELANG, key=lambda v: tuple(int(part) for part in v.split(".")))
         return (f"tilelang {version} is installed; the kernel is validated on tilelang {validated} "
                 f"(pip install 'tilelang>={releases[0]},<={releases[-1]}')")
@@ -119,6 +119,10 @@ def reasons(pool: Pool) -> list[str]:
     problem = _nvcc_problem()
     if problem:
         why.append(problem)
+    loose = [n for n, rest in zip(LOOSE_ALIGNMENT, pool.loose_alignment()) if rest]
+    if loose:
+        why.append(f"pool.{', pool.'.join(loose)} not {ALIGN_BYTES}-byte aligned (the kernel reads them in "
+                   f"{ALIGN_BYTES}-byte pieces; the Triton backend serves such pools)")
     if not why:
         props = torch.cuda.get_device_properties(pool.device)
         cfg = config_for(pool)
@@ -211,7 +215,7 @@ def versions() -> dict[str, str]:
     how = REQUIRED_TILELANG.get(version.split("+")[0])
     if how == "build":
         gpu = ", ".join(v for v, h in REQUIRED_TILELANG.items() if h == "gpu")
-        version += f" (builds for sm_90a and sm_100a; not yet run on a GPU: the GPU suite ran with {gpu})"
+        version += f" (builds for sm_90a and sm_100a, not run on a GPU: the GPU suite ran with {gpu})"
     elif how is None:
         version += " (not a validated release)"
     return {"torch": torch.__version__, "tilelang": version}

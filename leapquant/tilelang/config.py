@@ -94,7 +94,7 @@ SCALE_V_STRIDE = V + TILE
 assert TILES_PER_SIDE * max(SCALE_K_STRIDE, SCALE_V_STRIDE) <= TILES_PER_SIDE * V * R   # in the products' buffer
 
 # ---- the pool, in the units of the views that read it --------------------------------------------------------------
-#: every pool tensor starts on a 16-byte boundary (layout.ALIGN_BYTES; the pool refuses any other start): the
+#: every pool tensor starts on a 16-byte boundary (layout.ALIGN_BYTES; hcnt and p: see reasons()): the
 #: prefetch copies (cp.async) and the fill counters' loads move 16 bytes at a time (row strides are multiples of 16
 #: bytes for every supported geometry)
 WORD_BYTES, HALVES_PER_WORD = 4, 2      # the fp32 / int32 views count words, the fp16 view halfwords
