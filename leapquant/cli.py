@@ -47,8 +47,9 @@ def _device(args: argparse.Namespace):
 
 # ---- info ----------------------------------------------------------------------------------------------------------
 def _info(args: argparse.Namespace) -> int:
-    """Device, versions, LEAPQUANT_BACKEND and every backend with its reasons; the backends' packages are not imported
-    (see leapquant.dispatch). Exit status 2 when LEAPQUANT_BACKEND is invalid (every flush would raise)."""
+    """Device, versions, LEAPQUANT_BACKEND and every backend of each op (flush, step) with its reasons; the backends'
+    packages are not imported (see leapquant.dispatch). Exit status 2 when LEAPQUANT_BACKEND is invalid (every call
+    without ``backend=`` would raise)."""
     from . import __version__
     device = _device(args)
     env_problem = dispatch.env_problem()
@@ -56,33 +57,34 @@ def _info(args: argparse.Namespace) -> int:
     print(f"device:   {dispatch.device_description(device)}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in dispatch.versions().items()))
     if env_problem:
-        print(f"{dispatch.ENV_VAR}={dispatch.ENV_BACKEND!r}   <- INVALID: every flush without backend= raises "
+        print(f"{dispatch.ENV_VAR}={dispatch.ENV_BACKEND!r}   <- INVALID: every call without backend= raises "
               f"ValueError (valid: {', '.join(dispatch.CHOICES)})")
     else:
         print(f"{dispatch.ENV_VAR}={dispatch.ENV_BACKEND}")
-    rows = dispatch.backend_info(device, num_heads=args.heads, gate=args.gate, num_rows=args.batch)
     forced = dispatch.ENV_BACKEND if not env_problem and dispatch.ENV_BACKEND != "auto" else None
-    chosen = None
-    if forced is None and not env_problem:
-        ranked = [r for r in rows if r["available"] and r["auto_rank"] is not None]
-        chosen = min(ranked, key=lambda r: r["auto_rank"])["name"] if ranked else None
-    print(f"\nbackends for gate={args.gate}, heads={args.heads}, batch={args.batch} on {device}:")
-    for r in rows:
-        state = "available" if r["available"] else "unavailable"
-        mark = ""
-        if r["name"] == chosen:
-            mark = "  <- auto"
-        elif r["name"] == forced:
-            mark = f"  <- forced by {dispatch.ENV_VAR}" + ("" if r["available"] else
-                                                             " (flushes raise BackendUnavailable)")
-        print(f"  {r['name']:<9} {state}{mark}")
-        if r["description"]:
-            print(f"      {r['description']}")
-        extra = {k: v for k, v in r["versions"].items() if k != "torch"}
-        if extra:
-            print("      uses " + ", ".join(f"{k} {v}" for k, v in extra.items()))
-        for why in r["reasons"]:
-            print(f"      - {why}")
+    for op, title in (("flush", "flush backends"), ("step", "step backends (decode_inplace: the step, then the flush)")):
+        rows = dispatch.backend_info(device, num_heads=args.heads, gate=args.gate, num_rows=args.batch, op=op)
+        chosen = None
+        if forced is None and not env_problem:
+            ranked = [r for r in rows if r["available"] and r["auto_rank"] is not None]
+            chosen = min(ranked, key=lambda r: r["auto_rank"])["name"] if ranked else None
+        print(f"\n{title} for gate={args.gate}, heads={args.heads}, batch={args.batch} on {device}:")
+        for r in rows:
+            state = "available" if r["available"] else "unavailable"
+            mark = ""
+            if r["name"] == chosen:
+                mark = "  <- auto"
+            elif r["name"] == forced:
+                mark = f"  <- forced by {dispatch.ENV_VAR}" + ("" if r["available"] else
+                                                                 f" ({op} calls raise BackendUnavailable)")
+            print(f"  {r['name']:<9} {state}{mark}")
+            if op == "flush" and r["description"]:        # (what each backend is and uses: once, here)
+                print(f"      {r['description']}")
+            extra = {k: v for k, v in r["versions"].items() if k != "torch"}
+            if op == "flush" and extra:
+                print("      uses " + ", ".join(f"{k} {v}" for k, v in extra.items()))
+            for why in r["reasons"]:
+                print(f"      - {why}")
     if env_problem:
         print(f"leapquant info: error: {env_problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -242,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="backends (available or not, with reasons), device, versions",
                        description="Device, package versions, LEAPQUANT_BACKEND (exit status 2 when it is invalid) "
-                                   "and every backend, available or not, with the reasons it cannot serve a pool of "
-                                   "the given geometry.")
+                                   "and every backend of each op (flush, decode step), available or not, with the "
+                                   "reasons it cannot serve a pool of the given geometry.")
     p.add_argument("--device", default=None, help="torch device to report on (default: cuda when available, else cpu)")
     p.add_argument("--heads", type=_count(1), default=32,
                    help="heads per sequence of the pool asked about (default 32)")

@@ -48,6 +48,10 @@ def test_info_lists_every_backend_with_reasons():
     for name in ("reference", "triton", "tilelang"):
         assert f"  {name}" in out
     assert "<- auto" in out and "versions:" in out and "device:" in out
+    flush, step = out.split("\nflush backends for ")[1].split("\nstep backends ")          # each op's own list
+    for name in ("reference", "triton", "tilelang"):
+        assert f"  {name}" in step
+    assert "reference available  <- auto" in step
     if "cuda" not in out:
         assert "needs a CUDA device" in out or "CUDA" in out      # a CPU machine says why the GPU kernels cannot serve
 
