@@ -276,8 +276,8 @@ class Pool:
     ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything (windows empty: ``w = 0``,
     ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``). An engine that owns its buffers passes them by keyword
     (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); each may be a view into
-    a larger buffer (several layers' states in one allocation) and must start on a 16-byte boundary, and no two may
-    share memory.
+    a larger buffer (several layers' states in one allocation) and starts on a 16-byte boundary (all but
+    :data:`LOOSE_ALIGNMENT`'s), and no two may share memory.
 
     The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`encode`,
     :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence; :meth:`copy_slots`: a fork)
