@@ -164,7 +164,7 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
     Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per layer per token for an engine; on
     the GPU backends both are graph-capturable launches (a separate step kernel and flush kernel: not fused)."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
-    check_q0(pool, q0)                        # (the pool and idx, and idx's values if asked for: checked just above)
+    check_q0(pool, q0, out)                   # (the pool and idx, and idx's values if asked for: checked just above)
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
     flush_backend = dispatch.select(pool, idx.numel(), backend)
     out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)

@@ -684,7 +684,8 @@ def environment(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[
         rotate=args.rotate, load=load,
         command="leapquant bench " + " ".join(shlex.quote(a) for a in _argv(argv)),
         op=op,
-        timing_long=(TIMING_LONG[args.timer].format(call=call) + " (the row's `timing` column in the CSV says which)" if on_gpu else
+        timing_long=(TIMING_LONG[args.timer].format(call=call) + " (the row's `timing` column in the CSV says which)"
+                     if on_gpu else
                      "wall-clock per call on the CPU (not kernel times)"),
         timing_short=TIMING_SHORT[args.timer] if on_gpu else "CPU wall-clock",
         check_long=check,

@@ -62,7 +62,8 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print(f"{dispatch.ENV_VAR}={dispatch.ENV_BACKEND}")
     forced = dispatch.ENV_BACKEND if not env_problem and dispatch.ENV_BACKEND != "auto" else None
-    for op, title in (("flush", "flush backends"), ("step", "step backends (decode_inplace: the step, then the flush)")):
+    titles = {"flush": "flush backends", "step": "step backends (decode_inplace: the step, then the flush)"}
+    for op, title in titles.items():
         rows = dispatch.backend_info(device, num_heads=args.heads, gate=args.gate, num_rows=args.batch, op=op)
         chosen = None
         if forced is None and not env_problem:
@@ -236,7 +237,8 @@ def _demo_flush(args: argparse.Namespace, device, batch: int) -> bool:
 # ---- the parser ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="leapquant", description="LeapQuant decode-step and flush kernels for compressed KDA / GDN "
-                                                   "recurrent states: 'info' lists the backends and why any cannot serve, "
+                                                   "recurrent states: 'info' lists the backends and why any cannot "
+                                                   "serve, "
                                                    "'demo' runs the main job, 'bench' checks and times backends. "
                                                    "Bad arguments exit with status 2 and a one-line reason.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the backend choice")

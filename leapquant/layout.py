@@ -235,9 +235,12 @@ def _pool_device(device: object) -> torch.device:
     index): the device of an empty tensor made there. A device torch cannot name or cannot reach raises a
     ``ValueError``."""
     try:
-        return torch.empty(0, device=device).device
+        dev = torch.empty(0, device=device).device
     except (RuntimeError, TypeError, AssertionError) as e:
         raise ValueError(f"device: {device!r} cannot hold the pool's tensors ({type(e).__name__}: {e})") from None
+    if dev.type == "meta":
+        raise ValueError(f"device: {device!r} holds no data (a pool's tensors are read and written)")
+    return dev
 
 
 def capturing(device: torch.device) -> bool:
@@ -275,8 +278,8 @@ class Pool:
 
     ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything (windows empty: ``w = 0``,
     ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``). An engine that owns its buffers passes them by keyword
-    (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); each may be a view into
-    a larger buffer (several layers' states in one allocation) and starts on a 16-byte boundary (all but
+    (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); each may be a
+    view into a larger buffer (several layers' states in one allocation) and starts on a 16-byte boundary (all but
     :data:`LOOSE_ALIGNMENT`'s), and no two may share memory.
 
     The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`encode`,
@@ -305,10 +308,14 @@ class Pool:
                  gate: str = "kda", **buffers: torch.Tensor) -> None:
         if gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
-        if not isinstance(num_slots, int) or num_slots < 2:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
             raise ValueError(f"num_slots: expected an int >= 2 (slot 0 is reserved), got {num_slots!r}")
-        if not isinstance(num_heads, int) or num_heads < 1:
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads: expected an int >= 1, got {num_heads!r}")
+        if 4 * raw_words(num_slots, num_heads) >= 2 ** 62:
+            raise ValueError(f"num_slots x num_heads: {num_slots} x {num_heads} programs need "
+                             f"{4 * raw_words(num_slots, num_heads):.3g} bytes of checkpoints, more than any device "
+                             f"holds")
         unknown = set(buffers) - {"raw", *self.WINDOW_FIELDS[gate]}
         if unknown:
             raise ValueError(f"unknown buffers for gate {gate!r}: {sorted(unknown)}")

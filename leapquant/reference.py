@@ -15,7 +15,8 @@ The flush of one program (one sequence and head), in the phases every kernel nam
 * **reset**: the window emptied (:func:`leapquant.reference_pool.flush_inplace`, the reference backend on a pool).
 
 A due program whose window is empty (:func:`empty_window`: every weight 0, no decay) is not flushed: its checkpoint
-and window stay bitwise as they are (:func:`leapquant.reference_pool.written_programs` lists the programs a flush rewrites).
+and window stay bitwise as they are (:func:`leapquant.reference_pool.written_programs` lists the programs a flush
+rewrites).
 
 The decode step (SPEC section 7, the ``step`` section at the end of this module) of one program and token: the state
 ``S`` before this token's update is the checkpoint decayed by the gates since it was written plus the live window

@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from .layout import (CODES_BYTE, FIELDS, GATES, LOOSE_ALIGNMENT, K, L, OFF, R, V, Pool, buffer_addresses, byte_span,
-                     capturing, check_dense, check_disjoint, check_tensor, raw_words, same_objects)
+                     capturing, check_dense, check_disjoint, check_tensor, raw_words, same_objects, slot_stride)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -25,9 +25,9 @@ CHECK_IDX_ENV = "LEAPQUANT_CHECK_IDX"
 CHECK_IDX: bool = os.environ.get(CHECK_IDX_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 #: per pool, the buffer objects last found valid (held, so that no new tensor can take a checked one's identity),
-#: their byte spans by name and their data addresses: a pool is re-checked only when one of its buffers, or the memory
-#: behind one, is replaced
-_CHECKED: "weakref.WeakKeyDictionary[Pool, tuple[tuple, dict[str, tuple[int, int]], tuple]]" = \
+#: their byte spans by name, their data addresses and the pool's geometry: a pool is re-checked only when one of its
+#: buffers, or the memory behind one, is replaced, or its geometry attributes are changed
+_CHECKED: "weakref.WeakKeyDictionary[Pool, tuple[tuple, dict[str, tuple[int, int]], tuple, tuple]]" = \
     weakref.WeakKeyDictionary()
 
 
@@ -45,11 +45,17 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         raise ValueError(f"pool: gate mismatch: the pool is {pool.gate!r}, the call expects {gate!r}")
     if num_heads is not None and pool.num_heads != num_heads:
         raise ValueError(f"pool: num_heads mismatch: the pool has {pool.num_heads}, the call expects {num_heads}")
+    if pool.gate not in GATES:
+        raise ValueError(f"pool.gate: expected one of {GATES}, got {pool.gate!r}")
     key = _buffers(pool)
+    geometry = (pool.gate, pool.num_slots, pool.num_heads, pool.slot_stride, pool.device)
     seen = _CHECKED.get(pool)
-    if seen is not None and same_objects(seen[0], key) and seen[2] == buffer_addresses(key):
+    if (seen is not None and seen[3] == geometry and same_objects(seen[0], key)
+            and seen[2] == buffer_addresses(key)):
         return pool
     NS, H, dev = pool.num_slots, pool.num_heads, pool.device
+    if pool.slot_stride != slot_stride(H):
+        raise ValueError(f"pool.slot_stride: {pool.slot_stride} does not match num_heads = {H}")
     check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev, aligned=True)
     for name in pool.WINDOW_FIELDS[pool.gate]:
         f = FIELDS[name]
@@ -59,7 +65,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
     check_disjoint({n: getattr(pool, n) for n in ("raw", *pool.WINDOW_FIELDS[pool.gate])}, prefix="pool.")
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
-    _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, buffer_addresses(key))
+    _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, buffer_addresses(key), geometry)
     return pool
 
 
@@ -148,9 +154,16 @@ def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | No
     return pool
 
 
-def check_q0(pool: Pool, q0: object) -> None:
-    """q0 fp32 [V, R], dense, on the pool's device."""
+def check_q0(pool: Pool, q0: object, out: torch.Tensor | None = None) -> None:
+    """q0 fp32 [V, R], dense, on the pool's device, sharing no memory with the pool (the flush reads it while it
+    rewrites checkpoints) nor with ``out`` (:func:`leapquant.decode_inplace`'s step writes out before its flush reads
+    q0)."""
     check_dense("q0", q0, (V, R), torch.float32, pool.device)
+    shared = _first_overlap(q0, _pool_spans(pool))
+    if shared is not None:
+        raise ValueError(f"q0: shares memory with {shared} (the flush reads q0 while it writes the pool)")
+    if out is not None and _first_overlap(out, {"q0": byte_span(q0)}) is not None:
+        raise ValueError("out: shares memory with q0 (the step writes out before the flush reads q0)")
 
 
 def _expect(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> None:
@@ -232,6 +245,8 @@ def _key_heads(gate: str, num_heads: int, num_k_heads: object, derived: int | No
             raise ValueError(f"num_k_heads: {num_k_heads} disagrees with {arg}: {source} gives {derived} key heads")
         hk = num_k_heads
     elif derived is not None:
+        if derived < 1:
+            raise ValueError(f"{arg}: {source} gives {derived} key heads; expected at least one")
         hk = derived
     else:
         raise ValueError(f"{arg}: {source} does not tell the number of key heads; pass num_k_heads")

@@ -399,3 +399,60 @@ def test_step_inputs_off_a_16_byte_boundary(gate, backend):
     assert torch.equal(results[0][0], results[1][0])
     for name, first in results[0][1].items():
         assert torch.equal(first, results[1][1][name]), name
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_q0_sharing_memory_with_the_pool_or_out_is_refused(gate):
+    """The flush reads q0 while it rewrites checkpoints, and decode_inplace's step writes out before its flush reads
+    q0: q0 inside the pool's memory, or out over q0, is a ValueError naming both, before anything is written."""
+    pool, t = _pool(gate), _token(gate)
+    before = snapshot(pool)
+    idx = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    in_raw = pool.raw[: V * lq.R].view(V, lq.R)
+    with pytest.raises(ValueError, match="q0: shares memory with pool.raw"):
+        lq.flush_inplace(pool, idx, in_raw)
+    arena = torch.zeros(N * H * V, dtype=torch.float32, device=DEVICE)
+    q0 = arena[: V * lq.R].view(V, lq.R)
+    q0.copy_(lq.default_q0(DEVICE))
+    out = arena.view(torch.bfloat16)[: N * H * V].view(N, H, V)
+    with pytest.raises(ValueError, match="out: shares memory with q0"):
+        lq.decode_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], q0, out)
+    assert torch.equal(q0, lq.default_q0(DEVICE))
+    assert all(torch.equal(before[n], x) for n, x in snapshot(pool).items())
+
+
+def test_pool_attributes_changed_after_a_call_are_checked_again():
+    """A pool's geometry attributes are part of what a call checks: changed after a checked call (num_slots grown,
+    an unknown gate), the next call is a ValueError, not an index error in a backend."""
+    pool = lq.Pool(3, H, device=DEVICE)
+    q0, idx = lq.default_q0(DEVICE), torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    lq.flush_inplace(pool, idx, q0)
+    pool.num_slots = 100
+    with pytest.raises(ValueError, match="pool.raw: expected shape"):
+        lq.flush_inplace(pool, torch.tensor([50], dtype=torch.int32, device=DEVICE), q0)
+    pool.num_slots, pool.gate = 3, "xyz"
+    with pytest.raises(ValueError, match="pool.gate: expected one of"):
+        lq.flush_inplace(pool, idx, q0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_slots=3, num_heads=True), "num_heads: expected an int"),
+    (dict(num_slots=True, num_heads=2), "num_slots: expected an int"),
+    (dict(num_slots=2 ** 62, num_heads=2), "more than any device holds"),
+    (dict(num_slots=3, num_heads=2, device="meta"), "holds no data"),
+])
+def test_pools_that_cannot_hold_data_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lq.Pool(**kwargs)
+
+
+def test_a_functional_gdn_step_with_no_key_heads_is_refused():
+    """qx / kx with a key-head dimension of 0: a ValueError naming qx (not a division by zero)."""
+    case = sf.make_step_case(1, 2, "gdn", seed=0)
+    args = dict(case.tensors)
+    for n in ("qx", "kx"):
+        args[n] = args[n][:, :0]
+    names = ("codes", "s_k", "s_v", "u", "q", "kbuf", "ubuf", "w", "p", "h", "qx", "kx", "vx", "a", "b", "A_log",
+             "dt_bias")
+    with pytest.raises(ValueError, match="qx: .*0 key heads"):
+        lq.step_gdn(*(args[n] for n in names), backend="reference")

@@ -109,7 +109,8 @@ def _sci(x: float) -> str:
 
 
 _CRITERION = (f"judged on the decoded state per head against the exact fp64 rebuild S: err = mean|decode - S| <= "
-              f"{REL_SLACK} x the fp32 reference's err where that is >= {_sci(REL_FLOOR)} mean|S|, else <= {_sci(ABS_BOUND)} "
+              f"{REL_SLACK} x the fp32 reference's err where that is >= {_sci(REL_FLOOR)} mean|S|, else <= "
+              f"{_sci(ABS_BOUND)} "
               f"mean|S|; outputs finite, codes in [-{QMAX}, {QMAX}]")
 
 

@@ -3,8 +3,8 @@
 Two kernels take the same arguments, workspace and grid: on a GPU the Gluon kernel
 (:mod:`leapquant.triton.gluon_kernel`: tensor-core rank updates in layouts chosen for the algorithm; 3x faster on the
 H200), elsewhere the ``tl`` kernel (:mod:`leapquant.triton.tl_kernel`), which the interpreter runs (the CPU test
-tier). :func:`kernel_name_for` chooses one per device; :func:`flush` makes the pool's workspace once, compiles the chosen
-kernel for the pool's buffers, binds its launch (:func:`_bind`) and launches it.
+tier). :func:`kernel_name_for` chooses one per device; :func:`flush` makes the pool's workspace once, compiles the
+chosen kernel for the pool's buffers, binds its launch (:func:`_bind`) and launches it.
 """
 from __future__ import annotations
 
