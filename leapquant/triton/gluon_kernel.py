@@ -54,8 +54,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.language.core import _aggregate as aggregate
 
 from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
-from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, EPS, FP16_MAX, K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES,
-                        QMAX, R, RINT_MAGIC, V)
+from ..numerics import EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC, K, L, R, V
+from .cholesky import cholesky4
 
 assert R == 4 and V == 128 and K == 128 and L == 16, "the layouts below are written for a 128 x 128 state"
 
@@ -81,8 +81,6 @@ _TOK_HALF = gl.constexpr(TOK_BYTE // 2)
 _ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))   # every region starts on a multiple of this many words
 assert SV_BYTE == SK_BYTE + 4 * K
 #: CholeskyQR pivot floors and passes, and the rounding constant: leapquant.numerics (shared by every kernel)
-_REL_FLOOR = gl.constexpr(CHOLQR_RELATIVE_FLOOR)
-_ABS_FLOOR = gl.constexpr(CHOLQR_ABS_FLOOR)
 _P_PASSES = gl.constexpr(P_CHOLQR_PASSES)
 _Q_PASSES = gl.constexpr(Q_CHOLQR_PASSES)
 _RINT_MAGIC = gl.constexpr(RINT_MAGIC)
@@ -547,12 +545,6 @@ def _spread_get(xs, OUT: gl.constexpr):
 
 
 # ---- (3) orthonormalise --------------------------------------------------------------------------------------------
-@gluon.jit
-def _inv_pivot(d, g):
-    """1 / sqrt of a Cholesky pivot d floored at REL_FLOOR * G_jj and at ABS_FLOOR (one MUFU.RSQ, as the tl kernel)."""
-    return gl.rsqrt(gl.maximum(gl.maximum(d, _REL_FLOOR * g), _ABS_FLOOR))
-
-
 #: the ten sums over a warp's 32 lanes of a Gram matrix's partials (one per lane), every lane getting all ten: a
 #: reduce-scatter - at each butterfly level a lane keeps half of its sums and sends the other half (10 -> 5 -> 3 ->
 #: 2 -> 1 values; the lane's bits 4..1 choose which) - then each sum read from a lane that holds it (index
@@ -607,17 +599,7 @@ def _cholqr(x0, x1, x2, x3):
     """One CholeskyQR pass over four WARP_VEC vectors: G = X^T X (:func:`_gram`, warp-local), its Cholesky factor
     (floored pivots; the same arithmetic in every lane), X L^-T by forward substitution. A zero column comes out
     zero."""
-    g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _gram(x0, x1, x2, x3)
-    i00 = _inv_pivot(g00, g00)                    # i_jj = 1 / L_jj; L_ji = (G_ji - sum_{m<i} L_jm L_im) / L_ii
-    l10 = g10 * i00
-    l20 = g20 * i00
-    l30 = g30 * i00
-    i11 = _inv_pivot(g11 - l10 * l10, g11)
-    l21 = (g21 - l20 * l10) * i11
-    l31 = (g31 - l30 * l10) * i11
-    i22 = _inv_pivot(g22 - l20 * l20 - l21 * l21, g22)
-    l32 = (g32 - l30 * l20 - l31 * l21) * i22
-    i33 = _inv_pivot(g33 - l30 * l30 - l31 * l31 - l32 * l32, g33)
+    i00, l10, l20, l30, i11, l21, l31, i22, l32, i33 = cholesky4(*_gram(x0, x1, x2, x3))
     x0 = gl.reshape(x0, [32, 4])
     x1 = gl.reshape(x1, [32, 4])
     x2 = gl.reshape(x2, [32, 4])

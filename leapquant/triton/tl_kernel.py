@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
-from ..numerics import (CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, CODE_BIAS, CODE_BIAS_BITS, EPS, FP16_MAX, K, L,
-                        P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, RINT_MAGIC, V)
+from ..numerics import (CODE_BIAS, CODE_BIAS_BITS, EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC,
+                        K, L, R, V)
+from .cholesky import cholesky4
 
 assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
 
@@ -59,8 +60,6 @@ _QMAX = _const(float(QMAX))
 _EPS = _const(EPS)
 _FP16_MAX = _const(FP16_MAX)
 #: CholeskyQR pivot floors and passes: leapquant.numerics (shared with the Gluon and TileLang kernels)
-_REL_FLOOR = _const(CHOLQR_RELATIVE_FLOOR)
-_ABS_FLOOR = _const(CHOLQR_ABS_FLOOR)
 _P_PASSES = _const(P_CHOLQR_PASSES)
 _Q_PASSES = _const(Q_CHOLQR_PASSES)
 _OFF = _const(OFF)
@@ -207,30 +206,12 @@ def _project(S, y0, y1, y2, y3):
 
 # ---- (3) orthonormalise --------------------------------------------------------------------------------------------
 @triton.jit
-def _inv_pivot(d, g):
-    """1 / sqrt of the Cholesky pivot d (column j's squared norm left after the earlier columns), the pivot floored at
-    RELATIVE_FLOOR * g (g = G_jj: the column's own squared norm) and at ABS_FLOOR. One MUFU.RSQ (~2 ulp): the second
-    pass renormalises whatever the first leaves, and the second's own ulps are far below the fp16 token rounding."""
-    return tl.math.rsqrt(tl.maximum(tl.maximum(d, _REL_FLOOR * g), _ABS_FLOOR))
-
-
-@triton.jit
 def _cholqr(x0, x1, x2, x3):
     """One CholeskyQR pass over four columns x_j (1-D vectors of one layout): the 10 entries of G = X^T X in ONE
-    multi-operand reduction, the Cholesky factor G = L L^T on scalars (pivots floored: _inv_pivot), then X L^-T by
+    multi-operand reduction, the Cholesky factor G = L L^T on scalars (cholesky.cholesky4, pivots floored), then X L^-T by
     forward substitution, elementwise on the columns. A zero column comes out zero."""
-    g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _sum10(
-        x0 * x0, x1 * x0, x1 * x1, x2 * x0, x2 * x1, x2 * x2, x3 * x0, x3 * x1, x3 * x2, x3 * x3)
-    i00 = _inv_pivot(g00, g00)                    # i_jj = 1 / L_jj; L_ji = (G_ji - sum_{m<i} L_jm L_im) / L_ii
-    l10 = g10 * i00
-    l20 = g20 * i00
-    l30 = g30 * i00
-    i11 = _inv_pivot(g11 - l10 * l10, g11)
-    l21 = (g21 - l20 * l10) * i11
-    l31 = (g31 - l30 * l10) * i11
-    i22 = _inv_pivot(g22 - l20 * l20 - l21 * l21, g22)
-    l32 = (g32 - l30 * l20 - l31 * l21) * i22
-    i33 = _inv_pivot(g33 - l30 * l30 - l31 * l31 - l32 * l32, g33)
+    i00, l10, l20, l30, i11, l21, l31, i22, l32, i33 = cholesky4(*_sum10(
+        x0 * x0, x1 * x0, x1 * x1, x2 * x0, x2 * x1, x2 * x2, x3 * x0, x3 * x1, x3 * x2, x3 * x3))
     y0 = x0 * i00
     y1 = (x1 - l10 * y0) * i11
     y2 = (x2 - l20 * y0 - l21 * y1) * i22
