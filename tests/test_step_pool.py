@@ -183,6 +183,15 @@ def dense_recurrence(S: torch.Tensor, tokens: list[dict], A_log, dt_bias, gate: 
     return S, torch.stack(outs)
 
 
+def _new_sequences(gate: str, noise_seed: int) -> tuple[int, lq.Pool, list[int]]:
+    """(key heads, a pool of 4 slots filled with noise, slots [1, 3] reset for two new sequences)."""
+    pool = lq.Pool(4, H, gate=gate)
+    fill_noise(pool, seed=noise_seed)
+    slots = [1, 3]
+    pool.reset_slots(slots)
+    return (H if gate == "kda" else 2), pool, slots
+
+
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_steps_then_flush_match_the_dense_recurrence(gate):
     """A new sequence (reset_slots, then a prefill's encode) takes L steps: after them the programs are due, and the
@@ -190,11 +199,7 @@ def test_steps_then_flush_match_the_dense_recurrence(gate):
     each step's output within 1 % (relative L2 over the program; bf16 outputs and window entries, fp16 decays), the
     state before the flush (checkpoint + window) within the window's rounding, and after the flush within the format's
     own error on that state plus the window's (the fp32 reference's compression of the exact state, x 1.5)."""
-    hk = H if gate == "kda" else 2
-    pool = lq.Pool(4, H, gate=gate)
-    fill_noise(pool, seed=7)
-    slots = [1, 3]
-    pool.reset_slots(slots)
+    hk, pool, slots = _new_sequences(gate, noise_seed=7)
     g = torch.Generator().manual_seed(11)
     a_ = torch.randn(2, H, V, 4, generator=g)
     prefill = (a_ @ torch.randn(2, H, 4, K, generator=g)) * 0.05 + 0.01 * torch.randn(2, H, V, K, generator=g)
@@ -239,11 +244,7 @@ def test_decode_inplace_flushes_the_windows_it_fills(gate):
     program is flushed exactly when its fill count reaches L (its window is reset and the next token takes entry 0),
     rows of padding change nothing, and the outputs stay within 1 % of the fp64 dense recurrence (the state crosses
     two flushes)."""
-    hk = H if gate == "kda" else 2
-    pool = lq.Pool(4, H, gate=gate)
-    fill_noise(pool, seed=5)
-    slots = [1, 3]
-    pool.reset_slots(slots)
+    hk, pool, slots = _new_sequences(gate, noise_seed=5)
     g = torch.Generator().manual_seed(13)
     pool.encode(slots, 0.05 * torch.randn(2, H, V, K, generator=g))
     S = pool.decode(slots, with_window=False).double()
