@@ -32,7 +32,7 @@ _LAZY = {
 }
 #: submodules reachable as attributes (``leapquant.layout``) without importing them first: the package's core (the
 #: backends' packages stay behind an explicit import)
-_SUBMODULES = ("api", "layout", "reference", "validate")
+_SUBMODULES = ("api", "layout", "reference", "reference_pool", "validate")
 
 __all__ = [
     "Pool", "flush_inplace", "run", "run_gdn", "warmup", "use_backend", "backend_info", "versions",
@@ -50,7 +50,6 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager form
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is not None:
-        # importing leapquant.api also registers the reference backend with the dispatch
         value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
         globals()[name] = value          # later look-ups skip this function
         return value
