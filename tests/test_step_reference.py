@@ -235,3 +235,14 @@ def test_step_entry_points_load_lazily():
             "assert {'step', 'step_gdn', 'step_inplace'} <= set(dir(lq)); print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_reference_passes_with_a_subnormal_gdn_gate():
+    """A GDN gate_extremes head whose step gate at = exp(g) is below the normal fp32 range (w 0.84 decays to 1.0e-43):
+    at itself is an fp32 value rounded to the subnormal grid, and the criterion counts that rounding (the nightly
+    profile's case: the fp32 reference was 1.16x over a bound without it)."""
+    case = sf.make_step_case(1, 4, "gdn", seed=2982, num_k_heads=1)
+    at = torch.exp(case.exact(beta_bf16=False).g)
+    assert bool(((at > 0) & (at < torch.finfo(torch.float32).tiny)).any())      # a subnormal gate is in the case
+    v = case.judge(case.reference(False), beta_bf16=False, name="reference")
+    assert v.passed, v.message
