@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import leapquant as lq
 from leapquant import api, dispatch, families, step_families as sf
@@ -456,3 +458,55 @@ def test_a_functional_gdn_step_with_no_key_heads_is_refused():
              "dt_bias")
     with pytest.raises(ValueError, match="qx: .*0 key heads"):
         lq.step_gdn(*(args[n] for n in names), backend="reference")
+
+
+@given(gate=st.sampled_from(["kda", "gdn"]), num_slots=st.integers(2, 6), heads=st.integers(1, 5),
+       gaps=st.lists(st.integers(0, 3), min_size=7, max_size=7), shifted=st.integers(-1, 6),
+       seed=st.integers(0, 2 ** 16))
+def test_engine_arenas(gate, num_slots, heads, gaps, shifted, seed):
+    """An engine's arena: one byte buffer holding the pool's raw and window tensors one after another, each placed
+    on a 16-byte boundary a drawn number of boundaries past the previous one's end, except hcnt and GDN's p, which
+    sit a drawn number of elements past one, and the buffer number ``shifted`` (if any), moved one element off. The
+    pool accepts it exactly when every buffer but hcnt and p starts on a 16-byte boundary (else a ValueError naming
+    the one that does not), and then decodes L + 1 tokens on it as on a pool of fresh buffers (reference backend):
+    the same outputs and bytes."""
+    names = ("raw", *lq.Pool.WINDOW_FIELDS[gate])
+    loose = lq.layout.LOOSE_ALIGNMENT
+    shapes = {"raw": ((lq.layout.raw_words(num_slots, heads),), torch.float32)}
+    shapes.update({n: ((num_slots, heads) + lq.layout.FIELDS[n].shape, lq.layout.FIELDS[n].dtype)
+                   for n in names[1:]})
+    nbytes = {n: torch.Size(shapes[n][0]).numel() * shapes[n][1].itemsize for n in names}
+    starts, end = {}, 0
+    for i, (n, gap) in enumerate(zip(names, gaps)):
+        size = shapes[n][1].itemsize
+        start = -(-end // 16) * 16 + (gap * size if n in loose else gap * 16)
+        starts[n] = start + (size if i == shifted else 0)
+        end = starts[n] + nbytes[n]
+    buf = torch.zeros(end + 16, dtype=torch.uint8)
+    arena = buf[(-buf.data_ptr()) % 16:]                              # from the buffer's first 16-byte boundary
+    views = {n: arena[starts[n]:starts[n] + nbytes[n]].view(shapes[n][1]).view(shapes[n][0]) for n in names}
+    for n in names[1:]:
+        views[n].fill_(lq.layout.FIELDS[n].empty)
+    off = [n for n in names if n not in loose and views[n].data_ptr() % lq.layout.ALIGN_BYTES]
+    if off:
+        with pytest.raises(ValueError, match=f"^{off[0]}: expected a start on a 16-byte boundary"):
+            lq.Pool(num_slots, heads, gate=gate, **views)
+        return
+    g = torch.Generator().manual_seed(seed)
+    A_log, dt_bias = sf.head_constants(heads, gate, g)
+    state = 0.1 * torch.randn(num_slots - 1, heads, V, K, generator=g)
+    idx = torch.arange(num_slots - 1, 0, -1, dtype=torch.int32)
+    n = idx.numel()
+    toks = [(torch.randn(n, 2 * heads * K + heads * V, generator=g).bfloat16(),
+             torch.randn((n, heads, K) if gate == "kda" else (n, heads), generator=g).bfloat16(),
+             torch.randn(n, heads, generator=g).bfloat16()) for _ in range(L + 1)]
+    results = []
+    for given_bufs in ({}, views):
+        pool = lq.Pool(num_slots, heads, gate=gate, **given_bufs)
+        pool.encode(list(range(1, num_slots)), state)
+        outs = [lq.decode_inplace(pool, idx, qkv, a, b, A_log, dt_bias, lq.default_q0(), backend="reference")
+                for qkv, a, b in toks]
+        results.append((outs, snapshot(pool)))
+    assert all(torch.equal(x, y) for x, y in zip(results[0][0], results[1][0]))
+    for name, first in results[0][1].items():
+        assert torch.equal(first, results[1][1][name]), name
