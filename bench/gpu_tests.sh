@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU test tier (bench/results/TESTS.md): the whole suite on the project's GPU in four shards run side by side
-# (nothing in the suite is timed; the shards share the GPU), the TileLang compile tests left to CPU CI.
+# The GPU test tier (bench/results/TESTS.md): the whole suite on the project's GPU in six shards run side by side
+# (nothing in the suite is timed; the shards share the GPU), the compile tests for other targets left to CPU CI.
 # Usage: bench/gpu_tests.sh [OUT_DIR] [LIMIT_S]   (logs to OUT_DIR, default /tmp/gpu-tests; each shard stops at LIMIT_S,
 # default 540). Prints each shard's summary line and every failure.
 set -u
@@ -8,7 +8,7 @@ out=${1:-/tmp/gpu-tests}
 limit=${2:-540}
 mkdir -p "$out"
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-sel="not deployment_sizes and not other_head_counts and not compiles_for_target"
+sel="not deployment_sizes and not other_head_counts and not compiles"
 shard() {   # shard NAME FILE...
     local name=$1 t0=$SECONDS
     shift
@@ -19,12 +19,17 @@ shard() {   # shard NAME FILE...
 }
 : > "$out/summary.txt"
 all=$(ls tests/test_*.py)
-kernels="tests/test_tilelang.py tests/test_tilelang_sync.py tests/test_triton.py tests/test_triton_step.py"
+tilelang="tests/test_tilelang.py tests/test_tilelang_sync.py"
+triton="tests/test_triton.py tests/test_triton_step.py"
 pool="tests/test_pool_helpers.py tests/test_reference.py tests/test_step_reference.py tests/test_step_pool.py"
-rest=$(for f in $all; do case " tests/test_conformance.py $kernels $pool " in *" $f "*) ;; *) echo "$f";; esac; done)
+e2e="tests/test_end_to_end.py"
+rest=$(for f in $all; do case " tests/test_conformance.py $tilelang $triton $pool $e2e " in *" $f "*) ;;
+                         *) echo "$f";; esac; done)
 shard conformance tests/test_conformance.py &
-shard kernels $kernels &
+shard tilelang $tilelang &
+shard triton $triton &
 shard pool $pool &
+shard e2e $e2e &
 shard rest $rest &
 wait
 cat "$out/summary.txt"
