@@ -361,8 +361,10 @@ class Pool:
         return self.tokens[..., K:]
 
     def loose_alignment(self) -> tuple[int, ...]:
-        """:func:`loose_alignment` of this pool (a backend's capability check may read it)."""
-        return loose_alignment(self)
+        """The start addresses modulo :data:`ALIGN_BYTES` of this pool's :data:`LOOSE_ALIGNMENT` buffers (every other
+        buffer of a pool is aligned; a backend's capability check may read it)."""
+        return tuple(getattr(self, n).data_ptr() % ALIGN_BYTES for n in LOOSE_ALIGNMENT
+                     if n in WINDOW_FIELDS[self.gate])
 
     def window_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.WINDOW_FIELDS[self.gate]}
@@ -577,21 +579,28 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+def first_overlap(x: torch.Tensor, others: dict[str, tuple[int, int]]) -> str | None:
+    """The name of the first span in ``others`` that intersects ``x``'s bytes (all on one device: a device's
+    allocations never share addresses, so intersecting spans are shared memory; two interleaved views whose spans
+    intersect count as overlapping), or None."""
+    a0, a1 = byte_span(x)
+    for name, (b0, b1) in others.items():
+        if a0 < b1 and b0 < a1:
+            return name
+    return None
+
+
 def check_disjoint(buffers: dict[str, torch.Tensor], prefix: str = "") -> None:
     """Raise ``ValueError`` naming two of ``buffers`` (a pool's raw and window tensors, by name) whose bytes intersect:
     an engine's buffers must not share memory (a kbuf that is also the ubuf would take the step's u_new over its kn)."""
-    spans = [(n, byte_span(t)) for n, t in buffers.items()]
-    for i, (n1, (a0, a1)) in enumerate(spans):
-        for n2, (b0, b1) in spans[i + 1:]:
-            if a0 < b1 and b0 < a1:
-                raise ValueError(f"{prefix}{n2}: shares memory with {prefix}{n1} (bytes {b0:#x}-{b1:#x} and "
-                                 f"{a0:#x}-{a1:#x}; every buffer of a pool needs its own)")
-
-
-def loose_alignment(pool: "Pool") -> tuple[int, ...]:
-    """The start addresses modulo :data:`ALIGN_BYTES` of the pool's :data:`LOOSE_ALIGNMENT` buffers (every other
-    buffer of a pool is aligned)."""
-    return tuple(getattr(pool, n).data_ptr() % ALIGN_BYTES for n in LOOSE_ALIGNMENT if n in WINDOW_FIELDS[pool.gate])
+    spans: dict[str, tuple[int, int]] = {}
+    for name, t in buffers.items():
+        shared = first_overlap(t, spans)
+        if shared is not None:
+            (b0, b1), (a0, a1) = byte_span(t), spans[shared]
+            raise ValueError(f"{prefix}{name}: shares memory with {prefix}{shared} (bytes {b0:#x}-{b1:#x} and "
+                             f"{a0:#x}-{a1:#x}; every buffer of a pool needs its own)")
+        spans[name] = byte_span(t)
 
 
 def check_dense(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -17,7 +17,8 @@ import weakref
 import torch
 
 from .layout import (CODES_BYTE, FIELDS, GATES, LOOSE_ALIGNMENT, K, L, OFF, R, V, Pool, buffer_addresses, byte_span,
-                     capturing, check_dense, check_disjoint, check_tensor, raw_words, same_objects, slot_stride)
+                     capturing, check_dense, check_disjoint, check_tensor, first_overlap, raw_words, same_objects,
+                     slot_stride)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -110,17 +111,6 @@ def check_windows_folded(pool: Pool, idx: torch.Tensor) -> None:
                          f"has not folded; run flush_inplace before its next step (decode_inplace does both)")
 
 
-def _first_overlap(x: torch.Tensor, others: dict[str, tuple[int, int]]) -> str | None:
-    """The name of the first span in ``others`` that intersects ``x``'s bytes (all on one device: a device's
-    allocations never share addresses, so intersecting spans are shared memory; two interleaved views whose spans
-    intersect count as overlapping), or None."""
-    a0, a1 = byte_span(x)
-    for name, (b0, b1) in others.items():
-        if a0 < b1 and b0 < a1:
-            return name
-    return None
-
-
 def _is_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -159,10 +149,10 @@ def check_q0(pool: Pool, q0: object, out: torch.Tensor | None = None) -> None:
     rewrites checkpoints) nor with ``out`` (:func:`leapquant.decode_inplace`'s step writes out before its flush reads
     q0)."""
     check_dense("q0", q0, (V, R), torch.float32, pool.device)
-    shared = _first_overlap(q0, _pool_spans(pool))
+    shared = first_overlap(q0, _pool_spans(pool))
     if shared is not None:
         raise ValueError(f"q0: shares memory with {shared} (the flush reads q0 while it writes the pool)")
-    if out is not None and _first_overlap(out, {"q0": byte_span(q0)}) is not None:
+    if out is not None and first_overlap(out, {"q0": byte_span(q0)}) is not None:
         raise ValueError("out: shares memory with q0 (the step writes out before the flush reads q0)")
 
 
@@ -305,7 +295,7 @@ def check_step_args(pool: object, idx: object, qkv: object, a: object, b: object
         if not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
         # the step reads every input while it writes out (the kernels' programs in any order): out may not overlap any
-        shared = _first_overlap(out, {"idx": byte_span(idx), "qkv": byte_span(qkv), "a": byte_span(a),
+        shared = first_overlap(out, {"idx": byte_span(idx), "qkv": byte_span(qkv), "a": byte_span(a),
                                       "b": byte_span(b), "A_log": byte_span(A_log),
                                       "dt_bias": byte_span(dt_bias), **_pool_spans(pool)})
         if shared is not None:
