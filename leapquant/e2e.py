@@ -267,15 +267,16 @@ def simulate(gate: str, *, backend: str | None = None, device: torch.device | st
             o16 = dense_step(S16_work, tok, A_log, dt_bias, gate).to(torch.bfloat16)
             S16.copy_(S16_work)
             outs = {"leapquant": out[seq_rows], "fp32 state": o32, "bf16 state": o16}
-            for o in outs.values():
-                not_finite |= ~torch.isfinite(o).all()
-            win_ref_sq[t // L] += o64.square().sum()
-            for i, o in enumerate(outs.values()):
-                win_err_sq[t // L, i] += (o.double() - o64).square().sum()
+            ref_head = o64.square().sum(dim=(0, 2))                  # per head, this token
+            win_ref_sq[t // L] += ref_head.sum()
             if t >= tokens - last:
-                ref_sq += o64.square().sum(dim=(0, 2))
-                for m, o in outs.items():
-                    err_sq[m] += (o.double() - o64).square().sum(dim=(0, 2))
+                ref_sq += ref_head
+            for i, (m, o) in enumerate(outs.items()):
+                not_finite |= ~torch.isfinite(o).all()
+                err_head = (o.double() - o64).square().sum(dim=(0, 2))
+                win_err_sq[t // L, i] += err_head.sum()
+                if t >= tokens - last:
+                    err_sq[m] += err_head
 
     errors = {m: math.sqrt(float(err_sq[m].sum()) / float(ref_sq.sum())) for m in METHODS}
     worst = {m: float((err_sq[m] / ref_sq.clamp_min(1e-300)).sqrt().max()) for m in METHODS}
