@@ -22,7 +22,7 @@ from leapquant.triton.gluon_kernel import (COLSUM1_XCHG_SMEM, COLSUM4_XCHG_SMEM,
                                            ROWSUM_PARTS, ROWSUM_PARTS4, STATE, STATE_COLS, STATE_COLS4_XCHG_SMEM,
                                            STATE_ROWS, STATE_ROWS4_XCHG_SMEM, SUMS4_XCHG_SMEM, WARP_VEC4, WARPS,
                                            WINDOW, WORDS, _K, _L, _V, _own_columns, _own_rows, stacked4_layout)
-from leapquant.triton.gluon_step_kernel import _beta
+from leapquant.triton.gluon_step_kernel import KVEC, _beta, _digits
 from leapquant.triton.launch import CHUNK
 
 
@@ -126,3 +126,19 @@ def beta_probe(b_ptr, out_ptr, BETA_BF16: gl.constexpr):
     the kernel computes it: tests/test_triton_step.py runs it over every finite bf16 value on a GPU."""
     i = gl.program_id(0)
     gl.store(out_ptr + i, _beta(gl.load(b_ptr + i), BETA_BF16))
+
+
+@gluon.jit
+def digits_probe(x_ptr, digits_ptr, unit_ptr):
+    """The Gluon step kernel's digits of one K-vector per program (gluon_step_kernel._digits, as phase (4) calls it):
+    digits [4, K] int8 (d0 .. d3) and the unit; tests/test_triton_step.py checks them on a GPU."""
+    i = gl.program_id(0)
+    kk = gl.arange(0, _K, layout=KVEC)
+    x = gl.load(x_ptr + i * _K + kk)
+    d0, d1, d2, d3, unit = _digits(x, gl.max(gl.abs(x), 0))
+    out = digits_ptr + i * 4 * _K + kk
+    gl.store(out, d0)
+    gl.store(out + _K, d1)
+    gl.store(out + 2 * _K, d2)
+    gl.store(out + 3 * _K, d3)
+    gl.store(unit_ptr + i, unit)

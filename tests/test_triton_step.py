@@ -372,6 +372,40 @@ def test_gluon_beta_on_every_bf16_value(beta_bf16):
         assert float(excess[worst]) <= 1, f"b = {float(b[worst])}: {float(got[worst])!r} vs {float(exact[worst])!r}"
 
 
+@needs_cuda
+def test_gluon_digits_rebuild_every_value():
+    """Phase (4)'s split of xk and xq into int8 digits (gluon_step_kernel._digits) on K-vectors of every magnitude
+    (normal, tiny, subnormal, all zero, one nonzero channel, signs mixed): every digit in [-64, 64], the unit a power of
+    two with max |x| / unit in [2^26, 2^27) where max |x| >= 2^-123, and (d0 2^21 + d1 2^14 + d2 2^7 + d3) unit within
+    half a unit of every x (exactly x where x is a multiple of the unit)."""
+    from leapquant.triton import launch
+    if launch.mma_reasons(DEVICE):
+        pytest.skip("; ".join(launch.mma_reasons(DEVICE)))
+    from gluon_probes import digits_probe
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, K, generator=g, dtype=torch.float64)
+    scales = torch.tensor([2.0 ** e for e in (-140, -130, -126, -123, -100, -30, -1, 0, 1, 30, 100, 127)],
+                          dtype=torch.float64)
+    rows = [base[i] * scales[i % len(scales)] for i in range(base.shape[0])]
+    rows += [torch.zeros(K, dtype=torch.float64), torch.eye(K, dtype=torch.float64)[5] * -3.0,
+             torch.linspace(-1, 1, K, dtype=torch.float64) * 2.0 ** -149]
+    x = torch.stack(rows).float()
+    digits = torch.full((x.shape[0], 4, K), 99, dtype=torch.int8, device=DEVICE)
+    unit = torch.full((x.shape[0],), float("nan"), dtype=torch.float32, device=DEVICE)
+    digits_probe[(x.shape[0],)](x.to(DEVICE), digits, unit, num_warps=4)
+    d, u, xd = digits.cpu().long(), unit.cpu().double(), x.double()
+    assert int(d.abs().max()) <= 64, int(d.abs().max())
+    assert bool((u > 0).all()) and bool((torch.frexp(u)[0] == 0.5).all()), u
+    top = xd.abs().amax(1)
+    normal = top >= 2.0 ** -123
+    ratio = top[normal] / u[normal]
+    assert bool(((ratio >= 2.0 ** 26) & (ratio < 2.0 ** 27)).all()), ratio
+    n = d[:, 0] * 2 ** 21 + d[:, 1] * 2 ** 14 + d[:, 2] * 2 ** 7 + d[:, 3]
+    err = (n.double() * u[:, None] - xd).abs() / u[:, None]
+    worst = divmod(int(err.argmax()), K)
+    assert float(err.max()) <= 0.5, f"row {worst[0]} channel {worst[1]}: {float(err.max())} units"
+
+
 # ---- the Gluon step kernel: builds for every target on the CPU (triton 3.6; CI runs these with it) ----------------
 _GLUON_COMPILE = r"""
 import sys
@@ -395,9 +429,9 @@ print(len(k.asm["cubin"]), sass.count("LDGSTS"), sass.count("LDL") + sass.count(
 """
 
 
-#: local-memory instructions the register cap (gluon_step_kernel.MAX_REGISTERS) may cost: KDA measured 24 on sm_80
-#: and sm_90 (48 bytes spilled; the cap's timing is in the kernel's comment), GDN none
-STEP_SPILL_BUDGET = {"kda": 24, "gdn": 0}
+#: local-memory instructions the register cap (gluon_step_kernel.MAX_REGISTERS) may cost: KDA 4 on sm_100 (none on sm_80
+#: and sm_90), GDN none
+STEP_SPILL_BUDGET = {"kda": 4, "gdn": 0}
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
@@ -414,64 +448,3 @@ def test_gluon_step_kernel_compiles(capability, gate):
     assert spills <= STEP_SPILL_BUDGET[gate], f"sm_{capability}: {spills} local-memory accesses"
 
 
-def _run_ptx(asm: str, inputs: dict[str, int], outputs: int) -> list[int]:
-    """Executes an inline-asm text statement by statement on 32-bit values (``inputs``: its $n operands): the
-    instructions the step kernel's conversion uses, as PTX defines them (prmt.b32 default mode with the sign-replicate
-    bit; sub.f16x2 rounded to nearest). Any other instruction fails the test, so a change of the asm must be emulated
-    here too. Returns $0 .. $(outputs - 1)."""
-    import struct
-
-    def half(v: int) -> float:
-        return struct.unpack("<e", struct.pack("<H", v & 0xFFFF))[0]
-
-    def to_half(x: float) -> int:
-        return struct.unpack("<H", struct.pack("<e", x))[0]
-
-    regs = dict(inputs)
-    value = lambda op: regs[op] if op in regs else int(op, 0) & 0xFFFFFFFF  # noqa: E731
-    for stmt in asm.strip().strip("{}").split(";"):
-        stmt = stmt.strip()
-        if not stmt or stmt.startswith(".reg"):
-            continue
-        op, rest = stmt.split(None, 1)
-        dst, *src = [x.strip() for x in rest.split(",")]
-        if op == "xor.b32":
-            regs[dst] = value(src[0]) ^ value(src[1])
-        elif op == "mov.b32":
-            regs[dst] = value(src[0])
-        elif op == "prmt.b32":
-            pool = [(value(src[0]) >> (8 * i)) & 0xFF for i in range(4)] + [(value(src[1]) >> (8 * i)) & 0xFF
-                                                                            for i in range(4)]
-            sel, out = value(src[2]), 0
-            for i in range(4):
-                nib = (sel >> (4 * i)) & 0xF
-                byte = pool[nib & 7]
-                out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
-            regs[dst] = out
-        elif op == "sub.f16x2":
-            x, y = value(src[0]), value(src[1])
-            regs[dst] = sum(to_half(half(x >> s) - half(y >> s)) << s for s in (0, 16))
-        else:
-            raise AssertionError(f"instruction not emulated: {stmt}")
-    return [regs[f"${i}"] for i in range(outputs)]
-
-
-def test_gluon_step_code_conversion():
-    """The Gluon step kernel's four-codes-to-fp16 conversion (gluon_step_kernel._CODE_HALF_ASM) executed from its asm
-    text, statement by statement, for every code in every byte position: output element i (the halves of $0, then of
-    $1, low first) is code i exactly as an fp16 value (code 0 gives +0), and a neighbouring byte does not leak."""
-    import ast
-    import struct
-    from test_triton import _gluon_child
-    run = _gluon_child("from leapquant.triton import gluon_step_kernel as m; print(repr(m._CODE_HALF_ASM.value))")
-    asm = ast.literal_eval(run.stdout.strip().splitlines()[-1])
-    for c in range(-128, 128):
-        for pos in range(4):
-            word = ((c & 0xFF) << (8 * pos)) | (0x11 << (8 * ((pos + 1) % 4)))   # a neighbour byte that must not leak
-            regs = _run_ptx(asm, {"$2": word}, 2)
-            out = [struct.unpack("<e", struct.pack("<H", (r >> s) & 0xFFFF))[0] for r in regs for s in (0, 16)]
-            expect = [0.0] * 4
-            expect[pos], expect[(pos + 1) % 4] = c, 0x11
-            assert out == expect, (c, pos, out)
-            if c == 0:
-                assert (regs[pos // 2] >> (16 * (pos % 2))) & 0xFFFF == 0, "code 0 must give +0"

@@ -15,18 +15,18 @@ and that no load waits for the window's fill count:
                     no exchange between warps); every per-channel quantity (the gate, pcum, s_k, xk, xq) one channel
                     per thread (:data:`KVEC`); KDA's decay products D_j a scan down a column per thread (:data:`WCOL`)
     (3) window      keys kn and keys qn summed with 16 channels of an entry per thread (:data:`CODES`)
-    (4) rank part   u_old (col_gate kn), u_old (col_gate qn) alike; X = (xk, xq) split for the tensor cores
-    (5) codes       on the tensor cores: codes [V, K] (exact as fp16, two byte permutes and two half-precision
-                    subtractions per four codes) times X [K, 8] = (xk, xq) each split into fp16 hi + lo parts under a
-                    power-of-two scale (:func:`_fp16_split`), fp32 accumulators [V, 8] (:data:`ACC`), 32 channels
-                    per step; the row sums go to shared memory
+    (4) rank part   u_old (col_gate kn), u_old (col_gate qn) alike; X = (xk, xq) as digits for the tensor cores
+    (5) codes       on the int8 tensor cores: codes [V, K] times X [K, 8] = (xk, xq) each scaled by a power of two
+                    and split into four signed base-2^7 digits (:func:`_digits`), int32 accumulators [V, 8]
+                    (:data:`ACC`), 32 channels per step; the row sums, each digit's weighted in fp32, go to shared
+                    memory
     (6) rows        a state row per thread (:data:`VROW`): the window's ubuf^T (keys kn) and the rank part's
                     q_old^T (u_old kn) inside the thread, the codes' sums read back, then u_new, o and the stores
 
-Every value is fp32 but phase (5)'s operands: fp16 x fp16 products are exact, the tensor cores add them in fp32 (with
-truncation, a few ulp per mma), and the hi + lo split keeps 22 bits of each xk and xq, so the results equal the
-portable kernel's to about fp32 rounding (a CPU emulation of the phase with round-to-nearest sums: 1.8 ulp of
-sum |c x| at worst, against 3.9 for fp32 FMA chains over dequantised codes).
+Every value is fp32 but phase (5)'s operands: the int8 products and their int32 sums are exact, and the digits keep
+each xk and xq to half of 2^-27 of the largest (fp32 itself keeps 2^-24 of each value), so the codes' sums equal the
+portable kernel's to about fp32 rounding (the fp16 hi + lo split the tensor cores took before kept 22 bits, and cost
+two byte permutes and two half-precision subtractions per four codes).
 """
 # (no ``from __future__ import annotations``: Gluon reads the annotations of its constexpr parameters)
 import math
@@ -42,10 +42,10 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 
 #: warps of one program: one channel (and one state row) per thread
 WARPS = 4
-#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA takes 154 registers uncapped (3 programs per
-#: SM) and under a cap of 96 (5 programs) spills 48 bytes (24 local-memory instructions on sm_90); GDN takes 80
-#: uncapped (6 programs). On the H200, batch 256 (docs/design-triton.md, the step's variants): KDA 146.3 us uncapped,
-#: 94.2 capped; GDN 70.8 uncapped, 69.1 under a cap of 96 (within the runs' spread; it spills on sm_100).
+#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA takes 128 registers uncapped (4 programs per
+#: SM) and 96 under the cap without spilling (5 programs; static, sm_80 / sm_90; a cap of 88 spills 16 bytes); GDN
+#: takes 80 uncapped (6 programs) and 72 capped (7). NOT YET TIMED with the int8 products: the caps were chosen on the
+#: H200 for the fp16 form (docs/design-triton.md, the step's variants)
 MAX_REGISTERS = {"kda": 96, "gdn": None}
 
 _V = gl.constexpr(V)
@@ -64,15 +64,10 @@ _ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))
 _NORM_EPS = gl.constexpr(NORM_EPS)
 _SP_THRESHOLD = gl.constexpr(SOFTPLUS_THRESHOLD)
 _INV_SQRT_K = gl.constexpr(K ** -0.5)
-_KSTEP = gl.constexpr(32)                   #: channels per step of phase (5): two k = 16 mma steps
-#: four codes to four exact fp16 values per call: one sign flip of the four bytes makes u = c + 128, a byte permute
-#: per pair puts u under the exponent byte 0x64 (the half 1024 + u), and one f16x2 subtraction of 1152 leaves c
-_CODE_HALF_ASM = gl.constexpr(
-    "{ .reg .b32 t, m, k; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64646464; mov.b32 k, 0x64806480; "
-    "prmt.b32 $0, t, m, 0x7170; prmt.b32 $1, t, m, 0x7372; sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; }")
-#: _fp16_split scales the largest magnitude into [2^14, 2^15): hi + lo stay finite in fp16 and the parts that matter
-#: stay normal; the scale is 2^(_SPLIT_EXP - that magnitude's biased exponent)
-_SPLIT_EXP = gl.constexpr(127 + 14)
+_KSTEP = gl.constexpr(32)                   #: channels per step of phase (5): one k = 32 int8 mma step
+#: _digits scales the largest magnitude into [2^26, 2^27): four signed base-2^7 digits hold it, and every value keeps
+#: its bits down to half of 2^-27 of that magnitude; the scale is 2^(_DIGIT_EXP - that magnitude's biased exponent)
+_DIGIT_EXP = gl.constexpr(127 + 26)
 
 # ---- layouts (4 warps) -------------------------------------------------------------------------------------------
 #: [L, K] window tiles: a column (all L entries of one channel) per thread, channel = 32 warp + lane
@@ -91,12 +86,12 @@ VVEC = gl.constexpr(gl.SliceLayout(1, VROW))
 CODES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
 #: a K-vector as every thread of a CODES tile needs it: its 16 channels
 CODE_COLS = gl.constexpr(gl.SliceLayout(0, CODES))
-#: phase (5): [V, 8] fp32 mma accumulators, warp w holding rows 16 w .. 16 w + 15 and 64 + 16 w ..; the codes and X
-#: as its operands, each thread holding 8 consecutive channels (k_width 8: one 8-byte load of codes per row and step,
-#: the same channel order in both operands, so the sum over the channels is unchanged)
+#: phase (5): [V, 8] int32 mma accumulators, warp w holding rows 16 w .. 16 w + 15 and 64 + 16 w ..; the codes and
+#: X's digits as its int8 operands, each thread holding 16 consecutive channels (k_width 16: one 16-byte load of codes
+#: per row and step, the same channel order in both operands, so the sum over the channels is unchanged)
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
-A_CODES = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=8))
-B_X = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=8))
+A_CODES = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=16))
+B_X = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=16))
 #: X^T [8, K] as it is built: a channel per thread (the KVEC distribution), its 8 columns in the thread
 XT = gl.constexpr(gl.BlockedLayout([8, 1], [1, 32], [1, WARPS], [0, 1]))
 PLAIN1_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -142,20 +137,29 @@ def _beta(bx, BETA_BF16: gl.constexpr):
 
 
 @gluon.jit
-def _fp16_split(x, top_abs):
-    """(hi, lo, unit): x [K] fp32 = (hi + lo) unit to about 2^-22 of max |x|, hi and lo fp16, unit a power of two with
-    max |x| / unit in [2^14, 2^15) where max |x| is normal (a subnormal maximum is scaled by 2^141: below 2^15, with
-    the few bits it has; an all-zero x gives zeros). The scale 1 / unit = 2^shift, shift in [-113, 141], is applied as
-    two exact factors (fp32 holds neither 2^141 nor, as a normal, its inverse: unit may be subnormal)."""
+def _balanced(x):
+    """(digit, rest): x = rest 2^7 + digit, digit in [-64, 63] (x int32; rest exact: x - digit is a multiple of 2^7)."""
+    d = ((x + 64) & 127) - 64
+    return d, (x - d) >> 7
+
+
+@gluon.jit
+def _digits(x, top_abs):
+    """(d0, d1, d2, d3, unit): x [K] fp32 = (d0 2^21 + d1 2^14 + d2 2^7 + d3) unit to half a unit, each d an int8 in
+    [-64, 64], unit a power of two with max |x| / unit in [2^26, 2^27) where max |x| >= 2^-123 (a smaller maximum is
+    scaled by 2^149: below 2^27, with the bits it has; an all-zero x gives zeros). The scale 1 / unit = 2^shift, shift
+    in [-101, 149], is applied as two exact factors (fp32 holds neither 2^149 nor, as a normal, its inverse)."""
     top = top_abs.to(gl.int32, bitcast=True) >> 23                             # max |x|'s biased exponent
-    shift = _SPLIT_EXP - top
+    shift = gl.minimum(_DIGIT_EXP - top, 149)
     first = gl.minimum(shift, 127)
     xs = x * ((first + 127) << 23).to(gl.float32, bitcast=True) * ((shift - first + 127) << 23).to(gl.float32,
                                                                                                    bitcast=True)
-    hi = xs.to(gl.float16)
-    lo = (xs - hi.to(gl.float32)).to(gl.float16)
+    n = gl.floor(xs + 0.5).to(gl.int32)                                        # |n| <= 2^27
+    d3, n = _balanced(n)
+    d2, n = _balanced(n)
+    d1, d0 = _balanced(n)                                                      # |d0| <= 64
     unit = gl.where(shift <= 126, (127 - shift) << 23, 1 << (149 - shift)).to(gl.float32, bitcast=True)
-    return hi, lo, unit
+    return d0.to(gl.int8), d1.to(gl.int8), d2.to(gl.int8), d3.to(gl.int8), unit
 
 
 @gluon.jit
@@ -255,28 +259,35 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     # X = (xk, xq) = s_k / 127 col_gate (kn, qn) and their maxima, a channel per thread (maxima taken on CODE_COLS
     # copies hold 16 more fp32 per thread: 119 registers for GDN against 80)
     col = s_k / _QMAX * col_gate
-    xk_hi, xk_lo, unit_k = _fp16_split(col * kn, gl.max(gl.abs(col * kn), 0))
-    xq_hi, xq_lo, unit_q = _fp16_split(col * qn, gl.max(gl.abs(col * qn), 0))
+    xk0, xk1, xk2, xk3, unit_k = _digits(col * kn, gl.max(gl.abs(col * kn), 0))
+    xq0, xq1, xq2, xq3, unit_q = _digits(col * qn, gl.max(gl.abs(col * qn), 0))
     knq = gl.sum(kn_c * qn_c, 0)
 
-    # ---- (5) the codes on the tensor cores: [V, K] codes x X [K, 8], X's columns (xk hi, lo, xq hi, lo, 0 ...) ----
+    # ---- (5) the codes on the int8 tensor cores: [V, K] codes x X [K, 8], X's columns the digits (xk d0 .. d3,
+    # xq d0 .. d3): exact int32 sums (|sum| <= 128 * 127 * 64 < 2^21), each weighted exactly in fp32 ----
     n8 = gl.arange(0, 8, layout=gl.SliceLayout(1, XT))[:, None]
-    xT = gl.where(n8 == 0, gl.convert_layout(xk_hi, gl.SliceLayout(0, XT))[None, :],
-                  gl.where(n8 == 1, gl.convert_layout(xk_lo, gl.SliceLayout(0, XT))[None, :],
-                           gl.where(n8 == 2, gl.convert_layout(xq_hi, gl.SliceLayout(0, XT))[None, :],
-                                    gl.where(n8 == 3, gl.convert_layout(xq_lo, gl.SliceLayout(0, XT))[None, :],
-                                             0.0))))
-    x_s.store(xT.to(gl.float16))
+    xd: gl.constexpr = gl.SliceLayout(0, XT)
+    xT = gl.where(n8 == 0, gl.convert_layout(xk0, xd)[None, :],
+                  gl.where(n8 == 1, gl.convert_layout(xk1, xd)[None, :],
+                           gl.where(n8 == 2, gl.convert_layout(xk2, xd)[None, :],
+                                    gl.where(n8 == 3, gl.convert_layout(xk3, xd)[None, :],
+                                             gl.where(n8 == 4, gl.convert_layout(xq0, xd)[None, :],
+                                                      gl.where(n8 == 5, gl.convert_layout(xq1, xd)[None, :],
+                                                               gl.where(n8 == 6, gl.convert_layout(xq2, xd)[None, :],
+                                                                        gl.convert_layout(xq3, xd)[None, :])))))))
+    x_s.store(xT)
     async_copy.wait_group(0)
     gl.thread_barrier()
-    acc = gl.zeros([_V, 8], gl.float32, layout=ACC)
+    acc = gl.zeros([_V, 8], gl.int32, layout=ACC)
     for c in gl.static_range(_K // _KSTEP):
-        a = gl.inline_asm_elementwise(_CODE_HALF_ASM, "=r,=r,r", [codes_s.slice(c * _KSTEP, _KSTEP, 1).load(A_CODES)],
-                                      dtype=gl.float16, is_pure=True, pack=4)
-        acc = mma_v2(a, x_s.slice(c * _KSTEP, _KSTEP, 1).permute([1, 0]).load(B_X), acc)
+        acc = mma_v2(codes_s.slice(c * _KSTEP, _KSTEP, 1).load(A_CODES),
+                     x_s.slice(c * _KSTEP, _KSTEP, 1).permute([1, 0]).load(B_X), acc)
     n_acc = gl.arange(0, 8, layout=gl.SliceLayout(0, ACC))[None, :]
-    sums_k.store(gl.sum(gl.where(n_acc < 2, acc, 0.0), 1) * unit_k)
-    sums_q.store(gl.sum(gl.where((n_acc >= 2) & (n_acc < 4), acc, 0.0), 1) * unit_q)
+    weight = gl.where(n_acc % 4 == 0, 2097152.0, gl.where(n_acc % 4 == 1, 16384.0, gl.where(n_acc % 4 == 2, 128.0,
+                                                                                            1.0)))
+    part = acc.to(gl.float32) * weight
+    sums_k.store(gl.sum(gl.where(n_acc < 4, part, 0.0), 1) * unit_k)
+    sums_q.store(gl.sum(gl.where(n_acc >= 4, part, 0.0), 1) * unit_q)
 
     # ---- (6) a state row per thread: the window's and the rank part's terms, then the delta rule ----
     # loaded here rather than in (1), to hold fewer registers while the loads are in flight (the design note's
@@ -341,7 +352,7 @@ def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     else:
         ax = gl.load(a_ptr + row * a_stride + head)
     codes_s = gl.allocate_shared_memory(gl.int8, [_V, _K], CODES_SMEM)
-    x_s = gl.allocate_shared_memory(gl.float16, [8, _K], PLAIN2_SMEM)
+    x_s = gl.allocate_shared_memory(gl.int8, [8, _K], PLAIN2_SMEM)
     sums_k = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     sums_q = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     if (slot > 0) & (slot < num_slots):
