@@ -135,7 +135,7 @@ def digits_probe(x_ptr, digits_ptr, unit_ptr):
     i = gl.program_id(0)
     kk = gl.arange(0, _K, layout=KVEC)
     x = gl.load(x_ptr + i * _K + kk)
-    d0, d1, d2, d3, unit = _digits(x, gl.max(gl.abs(x), 0))
+    d0, d1, d2, d3, unit = _digits(x)
     out = digits_ptr + i * 4 * _K + kk
     gl.store(out, d0)
     gl.store(out + _K, d1)

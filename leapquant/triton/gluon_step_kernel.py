@@ -24,7 +24,7 @@ and that no load waits for the window's fill count:
                     q_old^T (u_old kn) inside the thread, the codes' sums read back, then u_new, o and the stores
 
 Every value is fp32 but phase (5)'s operands: the int8 products and their int32 sums are exact, and the digits keep
-each xk and xq to half of 2^-27 of the largest (fp32 itself keeps 2^-24 of each value), so the codes' sums equal the
+each xk and xq to half a unit, at most 2^-27 of the largest (fp32 itself keeps 2^-24 of each value), so the codes' sums equal the
 portable kernel's to about fp32 rounding (the fp16 hi + lo split the tensor cores took before kept 22 bits, and cost
 two byte permutes and two half-precision subtractions per four codes).
 """
@@ -42,10 +42,10 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 
 #: warps of one program: one channel (and one state row) per thread
 WARPS = 4
-#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA takes 128 registers uncapped (4 programs per
-#: SM) and 96 under the cap without spilling (5 programs; static, sm_80 / sm_90; a cap of 88 spills 16 bytes); GDN
-#: takes 80 uncapped (6 programs) and 72 capped (7). NOT YET TIMED with the int8 products: the caps were chosen on the
-#: H200 for the fp16 form (docs/design-triton.md, the step's variants)
+#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA takes 111 registers uncapped (4 programs per
+#: SM) and spills 36 bytes under the cap (5 programs; 18 local-memory instructions on sm_90, against 24 with the fp16
+#: products); GDN takes 80 uncapped (6 programs), 72 without spills under a cap of 72 (7). NOT YET TIMED with the int8
+#: products: the caps were chosen on the H200 for the fp16 form (docs/design-triton.md, the step's variants)
 MAX_REGISTERS = {"kda": 96, "gdn": None}
 
 _V = gl.constexpr(V)
@@ -64,9 +64,9 @@ _ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))
 _NORM_EPS = gl.constexpr(NORM_EPS)
 _SP_THRESHOLD = gl.constexpr(SOFTPLUS_THRESHOLD)
 _INV_SQRT_K = gl.constexpr(K ** -0.5)
-_KSTEP = gl.constexpr(32)                   #: channels per step of phase (5): one k = 32 int8 mma step
+_KSTEP = gl.constexpr(64)                   #: channels per step of phase (5): two k = 32 int8 mma steps
 #: _digits scales the largest magnitude into [2^26, 2^27): four signed base-2^7 digits hold it, and every value keeps
-#: its bits down to half of 2^-27 of that magnitude; the scale is 2^(_DIGIT_EXP - that magnitude's biased exponent)
+#: its bits down to half a unit (at most 2^-27 of that magnitude); the scale is 2^(_DIGIT_EXP - that magnitude's biased exponent)
 _DIGIT_EXP = gl.constexpr(127 + 26)
 
 # ---- layouts (4 warps) -------------------------------------------------------------------------------------------
@@ -87,8 +87,9 @@ CODES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
 #: a K-vector as every thread of a CODES tile needs it: its 16 channels
 CODE_COLS = gl.constexpr(gl.SliceLayout(0, CODES))
 #: phase (5): [V, 8] int32 mma accumulators, warp w holding rows 16 w .. 16 w + 15 and 64 + 16 w ..; the codes and
-#: X's digits as its int8 operands, each thread holding 16 consecutive channels (k_width 16: one 16-byte load of codes
-#: per row and step, the same channel order in both operands, so the sum over the channels is unchanged)
+#: X's digits as its int8 operands, each thread holding 16 consecutive channels of a row (k_width 16) in a step of 64
+#: channels (two k = 32 mma steps: the four threads of a quad cover the 64): one 16-byte load of codes per row and
+#: step, the same channel order in both operands, so the sum over the channels is unchanged
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
 A_CODES = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=16))
 B_X = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=16))
@@ -144,21 +145,26 @@ def _balanced(x):
 
 
 @gluon.jit
-def _digits(x, top_abs):
-    """(d0, d1, d2, d3, unit): x [K] fp32 = (d0 2^21 + d1 2^14 + d2 2^7 + d3) unit to half a unit, each d an int8 in
-    [-64, 64], unit a power of two with max |x| / unit in [2^26, 2^27) where max |x| >= 2^-123 (a smaller maximum is
-    scaled by 2^149: below 2^27, with the bits it has; an all-zero x gives zeros). The scale 1 / unit = 2^shift, shift
-    in [-101, 149], is applied as two exact factors (fp32 holds neither 2^149 nor, as a normal, its inverse)."""
+def _digits(x):
+    """(d0, d1, d2, d3, unit): x [K] fp32 = (d0 2^21 + d1 2^14 + d2 2^7 + d3) unit to half a unit (rounded to nearest,
+    ties to even), each d an int8 in [-64, 64], unit a power of two with max |x| / unit in [2^26, 2^27) where
+    max |x| >= 2^-123 (a smaller maximum is scaled by 2^149: below 2^27, with the bits it has; an all-zero x gives
+    zeros). The scale 1 / unit = 2^shift, shift in [-101, 149], is applied as two exact factors (fp32 holds neither
+    2^149 nor, as a normal, its inverse). A NaN or infinite x makes the unit NaN, so that it reaches the sums as it
+    would reach fp32 products (the digits of such an x mean nothing)."""
+    top_abs = gl.max(gl.where(x == x, gl.abs(x), float("inf")), 0)              # NaN counts as infinite
     top = top_abs.to(gl.int32, bitcast=True) >> 23                             # max |x|'s biased exponent
     shift = gl.minimum(_DIGIT_EXP - top, 149)
     first = gl.minimum(shift, 127)
     xs = x * ((first + 127) << 23).to(gl.float32, bitcast=True) * ((shift - first + 127) << 23).to(gl.float32,
                                                                                                    bitcast=True)
-    n = gl.floor(xs + 0.5).to(gl.int32)                                        # |n| <= 2^27
+    n = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [xs], dtype=gl.int32, is_pure=True,
+                                  pack=1)                                      # |n| <= 2^27
     d3, n = _balanced(n)
     d2, n = _balanced(n)
     d1, d0 = _balanced(n)                                                      # |d0| <= 64
     unit = gl.where(shift <= 126, (127 - shift) << 23, 1 << (149 - shift)).to(gl.float32, bitcast=True)
+    unit = gl.where(top_abs <= 3.4028234663852886e38, unit, float("nan"))
     return d0.to(gl.int8), d1.to(gl.int8), d2.to(gl.int8), d3.to(gl.int8), unit
 
 
@@ -259,8 +265,8 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     # X = (xk, xq) = s_k / 127 col_gate (kn, qn) and their maxima, a channel per thread (maxima taken on CODE_COLS
     # copies hold 16 more fp32 per thread: 119 registers for GDN against 80)
     col = s_k / _QMAX * col_gate
-    xk0, xk1, xk2, xk3, unit_k = _digits(col * kn, gl.max(gl.abs(col * kn), 0))
-    xq0, xq1, xq2, xq3, unit_q = _digits(col * qn, gl.max(gl.abs(col * qn), 0))
+    xk0, xk1, xk2, xk3, unit_k = _digits(col * kn)
+    xq0, xq1, xq2, xq3, unit_q = _digits(col * qn)
     knq = gl.sum(kn_c * qn_c, 0)
 
     # ---- (5) the codes on the int8 tensor cores: [V, K] codes x X [K, 8], X's columns the digits (xk d0 .. d3,
