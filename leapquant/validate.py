@@ -70,6 +70,15 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     return pool
 
 
+def checked_record(pool: Pool) -> object | None:
+    """The record :func:`check_pool` keeps of the buffers it last found valid for ``pool`` (None: never checked).
+    It is replaced exactly when the full check runs again (a buffer, the memory behind one or the geometry changed),
+    so a backend that bound its launch while this record was current may launch again without looking at the
+    buffers itself, as long as the call was checked first: one look at the buffers per call, not one per layer of
+    the call (the eager call's host time: the design note of the Triton backend)."""
+    return _CHECKED.get(pool)
+
+
 def _pool_spans(pool: Pool) -> dict[str, tuple[int, int]]:
     """The byte spans of a checked pool's buffers, by name."""
     return _CHECKED[pool][1]

@@ -160,7 +160,7 @@ def _timing_pool(batch, gate, due):
     hc, _ = due_pattern(nsets, batch, heads, due, 0, dev)
     for s in range(nsets):                  # hcnt set once per set (the flush never changes it)
         pool.hcnt[sets[s].long()] = hc[s]
-    args = _call_args(pool)
+    _, args = _call_args(pool)
 
     def call(kern, s):
         kern(*args, q0, sets[s])

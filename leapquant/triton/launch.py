@@ -16,6 +16,7 @@ import torch
 import triton
 
 from ..layout import Pool, buffer_addresses, capturing, on_pool_device, same_objects, slot_stride
+from ..validate import checked_record
 from . import step_kernel, tl_kernel
 from .tl_kernel import INTERPRETED
 
@@ -110,6 +111,7 @@ class _Workspace:
     programs: int = 0              # persistent programs resident at once (0: not bound yet)
     buffers: tuple = ()            # the pool tensors the launch is bound to (re-bound when the caller swaps one)
     addresses: tuple = ()          # where their data started when bound (re-bound when that moves)
+    checked: object = None         # validate.checked_record(pool) when the binding was last found current
     launch: object = None          # launch(*kernel parameters): the compiled kernel's launcher, or the JIT's
     constants: tuple = ()          # the compile-time parameters, in the kernel's order, after the run-time ones
 
@@ -222,6 +224,18 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
         ws.launch = launch
 
 
+def _bound(pool: Pool, ws: _Workspace) -> bool:
+    """Whether the workspace's launch is bound to the pool's current buffers: at once when the argument check's record
+    is the one it was last found current with (the check has just looked at the buffers), else by comparing them."""
+    record = checked_record(pool)
+    if ws.launch is not None and record is not None and ws.checked is record:
+        return True
+    ok = (ws.launch is not None and same_objects(ws.buffers, pool_buffers(pool))
+          and ws.addresses == buffer_addresses(ws.buffers))
+    ws.checked = record if ok else None
+    return ok
+
+
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
 
@@ -231,9 +245,9 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         return
     with on_pool_device(pool):
         ws = _workspace(pool, idx.numel())
-        bound = same_objects(ws.buffers, pool_buffers(pool)) and ws.addresses == buffer_addresses(ws.buffers)
-        if ws.launch is None or not bound:
+        if not _bound(pool, ws):
             _bind(pool, ws, q0, idx)
+            ws.checked = checked_record(pool)
         ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
 
 
@@ -256,9 +270,8 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
     graph once the kernel is compiled. GDN passes p in place of the KDA-only gbuf (never read there), as the flush."""
     if idx.numel() == 0:
         return
-    raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
-    args = (raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
-            A_log, dt_bias, out, pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
+    args = (*_step_pool_args(pool), idx, qkv, a, b, A_log, dt_bias, out, pool.num_slots,
+            slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
     meta = dict(H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16))
     grid = (idx.numel() * pool.num_heads,)
     with on_pool_device(pool):
@@ -269,6 +282,24 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
         else:
             step_kernel.step_kernel[grid](*args, **meta, BV=step_kernel.BV, num_warps=step_kernel.WARPS,
                                           num_stages=1)
+
+
+#: per pool: (the argument check's record they were made under, the step's pool arguments)
+_STEP_ARGS: "weakref.WeakKeyDictionary[Pool, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _step_pool_args(pool: Pool) -> tuple:
+    """The step kernel's pool arguments (raw, its uint8 and fp16 views, the window tensors, hcnt), made again only
+    when the argument check's record changes (a checked call; an unchecked one makes them every time)."""
+    record = checked_record(pool)
+    cached = _STEP_ARGS.get(pool)
+    if cached is not None and record is not None and cached[0] is record:
+        return cached[1]
+    raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
+    args = (raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt)
+    if record is not None:
+        _STEP_ARGS[pool] = (record, args)
+    return args
 
 
 _STEP_CHOICE: dict[str, str] = {}
