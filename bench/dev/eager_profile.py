@@ -17,16 +17,17 @@ import leapquant as lq
 from leapquant import dispatch
 
 
-def per_call_us(fn, runs: int = 40, n: int = 50) -> float:
-    """Median over ``runs`` of the host wall-clock per call of ``n`` back-to-back calls, the device synchronised."""
+def per_call_us(fn, runs: int = 40, n: int = 50, sync=torch.cuda.synchronize) -> float:
+    """Median over ``runs`` of the host wall-clock per call of ``n`` back-to-back calls, the device synchronised
+    (``sync``) after each run."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     out = []
     for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        torch.cuda.synchronize()
+        sync()
         out.append((time.perf_counter() - t0) / n * 1e6)
     return statistics.median(out)
 
