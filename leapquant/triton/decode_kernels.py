@@ -19,7 +19,7 @@ _L = tl.constexpr(L)
 BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["total", "num_slots"], do_not_specialize_on_alignment=["idx_ptr", "hcnt_ptr", "flags_ptr"])
+@triton.jit(do_not_specialize=["total", "num_slots"])
 def snapshot_due(idx_ptr, hcnt_ptr, flags_ptr, total, num_slots, H: tl.constexpr, BLOCK: tl.constexpr):
     """flags[row * H + head] = 1 where the step of this call makes program (idx[row], head) due, else 0, for the
     ``total`` = N * H programs of the call (grid: cdiv(total, BLOCK)). A program becomes due when the entry its step

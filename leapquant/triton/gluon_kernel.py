@@ -283,12 +283,12 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H: gl.co
         slot = gl.load(idx_ptr + rows, mask=rows < N, other=0)
         ok = (rows < N) & (slot > 0) & (slot < num_slots)      # out-of-range slots are skipped (graph capture)
         live = ok[:, None] & (heads[None, :] < H)
-        if USE_FLAGS:       # (as the tl kernel's ranking: the flags alone, hcnt not read)
+        fill = gl.load(hcnt_ptr + slot.to(gl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
+        due = live & (fill == _L)
+        if USE_FLAGS:
             flag = gl.load(flags_ptr + rows[:, None] * H + heads[None, :], mask=live, other=0)
-            due = (live & (flag != 0)).to(gl.int32)
-        else:
-            fill = gl.load(hcnt_ptr + slot.to(gl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
-            due = (live & (fill == _L)).to(gl.int32)
+            due = due & (flag != 0)
+        due = due.to(gl.int32)
         per_row = gl.sum(due, 1)
         n = gl.sum(per_row, 0)
         if n > 0:                                   # (a step with nothing due skips the prefix sums)

@@ -327,28 +327,23 @@ def decode(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b:
             _bind(pool, ws, q0, idx)
             ws.checked = checked_record(pool)
         flagged = _flagged_flush(pool, ws, q0, idx)
-        side = _side_stream(pool.device)                # (both made before anything is launched)
         total = idx.numel() * pool.num_heads
         decode_kernels.snapshot_due[(triton.cdiv(total, decode_kernels.BLOCK),)](
             idx, pool.hcnt, ws.flags, total, pool.num_slots, H=pool.num_heads, BLOCK=decode_kernels.BLOCK)
         step_args = (pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16)
+        side = _side_stream(pool.device)
         if side is None:
             _launch_step(*step_args, select=1, flags=ws.flags)
             flagged[0](*_flush_args(pool, ws, q0, idx), *flagged[1])
             _launch_step(*step_args, select=2, flags=ws.flags)
             return
-        stream, forked, joined = side
         main = torch.cuda.current_stream(pool.device)
-        forked.record(main)
-        stream.wait_event(forked)
-        try:
-            with torch.cuda.stream(stream):
-                _launch_step(*step_args, select=1, flags=ws.flags)
-                flagged[0](*_flush_args(pool, ws, q0, idx), *flagged[1])
-            _launch_step(*step_args, select=2, flags=ws.flags)
-        finally:                                        # (joined even on an error, so that a capture stays whole)
-            joined.record(stream)
-            main.wait_event(joined)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _launch_step(*step_args, select=1, flags=ws.flags)
+            flagged[0](*_flush_args(pool, ws, q0, idx), *flagged[1])
+        _launch_step(*step_args, select=2, flags=ws.flags)
+        main.wait_stream(side)
 
 
 def _flagged_flush(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
@@ -363,14 +358,12 @@ def _flagged_flush(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tens
     return ws.flagged
 
 
-#: per thread and device, the second stream of decode calls (high priority: the flush's chain is the longer one) and
-#: the two events of its fork from and join to the caller's stream
+#: per thread and device, the second stream of decode calls (high priority: the flush's chain is the longer one)
 _SIDE = threading.local()
 
 
-def _side_stream(device: torch.device) -> tuple | None:
-    """(stream, fork event, join event): the calling thread's second stream on ``device`` (None on the CPU), made on
-    the thread's first decode call or warmup there (not inside a graph capture)."""
+def _side_stream(device: torch.device):
+    """The calling thread's second stream on ``device`` (None on the CPU), made on its first decode call there."""
     if device.type != "cuda":
         return None
     streams = getattr(_SIDE, "streams", None)
@@ -379,11 +372,9 @@ def _side_stream(device: torch.device) -> tuple | None:
     side = streams.get(device.index)
     if side is None:
         if capturing(device):
-            raise RuntimeError("leapquant triton decode: call leapquant.warmup(pool) or decode_inplace once in this "
-                               "thread outside CUDA graph capture first (its second stream is made there, one per "
-                               "thread)")
-        side = streams[device.index] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Event(),
-                                        torch.cuda.Event())
+            raise RuntimeError("leapquant triton decode: call leapquant.decode_inplace once outside CUDA graph "
+                               "capture first (its second stream is made there)")
+        side = streams[device.index] = torch.cuda.Stream(device, priority=-1)
     return side
 
 

@@ -87,8 +87,8 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H: tl.co
     rank r is ``pid (mod G)`` to ``due[r]``; return their total (int32).
 
     idx int32 [N] (slot per row; 0, negative or >= num_slots: skip), hcnt int32 [NS, H], due int32 [>= N * H]; HP =
-    H rounded up to a power of two. USE_FLAGS: the due programs are those whose flag (int8 [N * H] at row * H +
-    head, :func:`leapquant.triton.decode_kernels.snapshot_due`) is set, all at L after the step that ran first. Each rank has one writer and one reader,
+    H rounded up to a power of two. USE_FLAGS: only the programs whose flag (int8 [N * H] at row * H + head,
+    :func:`leapquant.triton.decode_kernels.snapshot_due`) is set can be due. Each rank has one writer and one reader,
     the same program: no program waits for another."""
     ROWS: tl.constexpr = CHUNK // HP
     heads = tl.arange(0, HP)
@@ -100,13 +100,12 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H: tl.co
         # out-of-range slots are skipped (under graph capture the API cannot check idx values)
         ok = (rows < N) & (slot > 0) & (slot < num_slots)
         live = ok[:, None] & (heads[None, :] < H)
-        if USE_FLAGS:       # (the flagged programs are exactly those at L once their step has run; hcnt is not read:
-            #                the other programs' fill counts are being written by the rest of the decode call)
+        fill = tl.load(hcnt_ptr + slot.to(tl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
+        due = live & (fill == _L)
+        if USE_FLAGS:
             flag = tl.load(flags_ptr + rows[:, None] * H + heads[None, :], mask=live, other=0)
-            due = (live & (flag != 0)).to(tl.int32)
-        else:
-            fill = tl.load(hcnt_ptr + slot.to(tl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
-            due = (live & (fill == _L)).to(tl.int32)
+            due = due & (flag != 0)
+        due = due.to(tl.int32)
         per_row = tl.sum(due, 1)
         n = tl.sum(per_row, 0)
         if n > 0:                                   # (a step with nothing due skips the prefix sums)
