@@ -62,7 +62,7 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print(f"{dispatch.ENV_VAR}={dispatch.ENV_BACKEND}")
     forced = dispatch.ENV_BACKEND if not env_problem and dispatch.ENV_BACKEND != "auto" else None
-    titles = {"flush": "flush backends", "step": "step backends (decode_inplace: the step and the flush of what it fills)"}
+    titles = {"flush": "flush backends", "step": "step backends (decode_inplace: the step, then the flush)"}
     for op, title in titles.items():
         rows = dispatch.backend_info(device, num_heads=args.heads, gate=args.gate, num_rows=args.batch, op=op)
         chosen = None
