@@ -161,18 +161,11 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
     same rows, which folds exactly the windows this step filled (their fill count is now L; every other program of
     those rows has a fill count below L: the flush skips it). Arguments as the two calls'; returns ``out``.
 
-    Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per
-    layer per token for an engine, graph-capturable on the GPU backends. A step backend with a decode of its own runs
-    it (the Triton backend: the programs this step fills stepped and flushed on a second stream while the others step,
-    with the result of its step and then its flush); otherwise the step, then the flush chosen for the rows."""
+    Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per layer per token for an engine; on
+    the GPU backends both are graph-capturable launches (a separate step kernel and flush kernel: not fused)."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
     check_q0(pool, q0, out)                   # (the pool and idx, and idx's values if asked for: checked just above)
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
-    if step_backend.decode is not None:
-        if out is None:
-            out = torch.empty(idx.numel(), pool.num_heads, V, dtype=torch.bfloat16, device=pool.device)
-        step_backend.decode(pool, idx, qkv, a, b, A_log, dt_bias, q0, out, hk, beta_bf16)
-        return out
     flush_backend = dispatch.select(pool, idx.numel(), backend)
     out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
     flush_backend.flush(pool, idx, q0)

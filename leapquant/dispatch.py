@@ -77,10 +77,6 @@ class Backend:
     step: Callable[..., None] | None = None
     #: why the step cannot serve a pool, where it differs from ``reasons`` (None: the flush's reasons apply)
     step_reasons: Callable[[Pool], list[str]] | None = None
-    #: one decode token as one call, the step and the flush of what it fills (arguments validated, ``out`` given):
-    #: ``decode(pool, idx, qkv, a, b, A_log, dt_bias, q0, out, num_k_heads, beta_bf16) -> None``, with the result of
-    #: its ``step`` then its ``flush``; None: :func:`leapquant.decode_inplace` calls the step, then the chosen flush
-    decode: Callable[..., None] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

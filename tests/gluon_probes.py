@@ -35,15 +35,14 @@ def compile_static(capability: int, gate: str = "kda", num_heads: int = 32, prog
     kda = gate == "kda"
     sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
            "w_ptr": "*fp32", "gate_ptr": "*fp32", "gbuf_ptr": "*fp16" if kda else "*fp32", "q0_ptr": "*fp32",
-           "idx_ptr": "*i32", "hcnt_ptr": "*i32", "due_ptr": "*i32", "flags_ptr": "*i8", "N": "i32",
-           "num_slots": "i32", "SS": "i32", "H": "constexpr", "HP": "constexpr", "G": "constexpr",
-           "IS_KDA": "constexpr", "CHUNK": "constexpr", "TW": "constexpr", "USE_FLAGS": "constexpr"}
-    const = {"H": num_heads, "HP": hp, "G": programs, "IS_KDA": kda, "CHUNK": CHUNK, "TW": min(hp, 32),
-             "USE_FLAGS": False}
+           "idx_ptr": "*i32", "hcnt_ptr": "*i32", "due_ptr": "*i32", "N": "i32", "num_slots": "i32", "SS": "i32",
+           "H": "constexpr", "HP": "constexpr", "G": "constexpr", "IS_KDA": "constexpr", "CHUNK": "constexpr",
+           "TW": "constexpr"}
+    const = {"H": num_heads, "HP": hp, "G": programs, "IS_KDA": kda, "CHUNK": CHUNK, "TW": min(hp, 32)}
     names = list(sig)
     assert names == list(gluon_kernel.flush_due.arg_names), "the signature above must follow the kernel's"
     # the launch's specialisation: 16-byte aligned pool and window pointers (q0 and idx are not specialised)
-    aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") and n not in ("q0_ptr", "idx_ptr", "flags_ptr")]
+    aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") and n not in ("q0_ptr", "idx_ptr")]
     src = GluonASTSource(fn=gluon_kernel.flush_due, signature=sig,
                          constexprs={(names.index(k),): v for k, v in const.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})

@@ -31,13 +31,9 @@ def launch(kernel, warps, bv, pool, idx, tk, hk):
     qkv, a, b, out = tk
     head = (raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
             A_LOG, DT, out)
-    if "flags_ptr" in kernel.arg_names:      # (a kernel with the decode's SELECT: every program)
-        head += (idx,)
     tail = (pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
     meta = dict(H=pool.num_heads, HK=hk, IS_KDA=pool.gate == "kda", BETA_BF16=True, num_warps=warps, num_stages=1,
                 **bv)
-    if "SELECT" in kernel.arg_names:
-        meta["SELECT"] = 0
     items = idx.numel() * pool.num_heads
     if "num_rows" in kernel.arg_names:
         args = head + (idx.numel(),) + tail

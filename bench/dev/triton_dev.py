@@ -74,10 +74,9 @@ def build(pool: Pool, variant: str, q0: torch.Tensor):
     buffers = launch.pool_buffers(pool)
     raw_u8, raw_f16 = pool.raw.view(torch.uint8), pool.raw.view(torch.float16)
     due = torch.zeros(pool.num_slots * pool.num_heads, dtype=torch.int32, device=pool.device)
-    flags = torch.zeros(pool.num_slots * pool.num_heads, dtype=torch.int8, device=pool.device)
 
     def args(idx):
-        return launch.flush_args(pool, buffers, raw_u8, raw_f16, due, flags, q0, idx)
+        return launch.flush_args(pool, buffers, raw_u8, raw_f16, due, q0, idx)
 
     meta = launch.flush_meta(pool, kernel, 1)
     if warps:

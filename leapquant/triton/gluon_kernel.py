@@ -267,8 +267,8 @@ def _mul(a, b):
 
 # ---- ranking -------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H: gl.constexpr, HP: gl.constexpr,
-              G: gl.constexpr, CHUNK: gl.constexpr, TW: gl.constexpr, USE_FLAGS: gl.constexpr):
+def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
+              CHUNK: gl.constexpr, TW: gl.constexpr):
     """Rank the call's due programs in flag order (row, head) and write the code ``slot * H + head`` of each one whose
     rank r is ``pid (mod G)`` to ``due[r]``; return their total. As the tl kernel's ranking, with a [rows, HP] tile of
     TW lanes along the heads (TW = min(HP, 32))."""
@@ -284,11 +284,7 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H: gl.co
         ok = (rows < N) & (slot > 0) & (slot < num_slots)      # out-of-range slots are skipped (graph capture)
         live = ok[:, None] & (heads[None, :] < H)
         fill = gl.load(hcnt_ptr + slot.to(gl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
-        due = live & (fill == _L)
-        if USE_FLAGS:
-            flag = gl.load(flags_ptr + rows[:, None] * H + heads[None, :], mask=live, other=0)
-            due = due & (flag != 0)
-        due = due.to(gl.int32)
+        due = (live & (fill == _L)).to(gl.int32)
         per_row = gl.sum(due, 1)
         n = gl.sum(per_row, 0)
         if n > 0:                                   # (a step with nothing due skips the prefix sums)
@@ -818,16 +814,15 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
 
 
 # ---- the kernel ----------------------------------------------------------------------------------------------------
-@gluon.jit(do_not_specialize=["N", "num_slots", "SS"],
-            do_not_specialize_on_alignment=["q0_ptr", "idx_ptr", "flags_ptr"])
+@gluon.jit(do_not_specialize=["N", "num_slots", "SS"], do_not_specialize_on_alignment=["q0_ptr", "idx_ptr"])
 def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, idx_ptr, hcnt_ptr,
-              due_ptr, flags_ptr, N, num_slots, SS, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
-              IS_KDA: gl.constexpr, CHUNK: gl.constexpr, TW: gl.constexpr, USE_FLAGS: gl.constexpr):
+              due_ptr, N, num_slots, SS, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
+              IS_KDA: gl.constexpr, CHUNK: gl.constexpr, TW: gl.constexpr):
     """Persistent program ``pid`` of ``G`` (8 warps): ranks the due programs, then flushes its items pid, pid + G,
     ..., each item's inputs copied into shared memory while the previous one computes. The arguments of the tl
     kernel (tl_kernel._flush_due), plus TW (lanes along the heads in the ranking: min(HP, 32))."""
     pid = gl.program_id(0)
-    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H, HP, G, CHUNK, TW, USE_FLAGS)
+    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK, TW)
     # every thread reads the list entries other threads of this program wrote in the ranking's last step: the barrier
     # makes those global stores visible to them (without it a warp could read an entry before its writer stored it:
     # under compute-sanitizer's racecheck, which reorders warps, the flush then rewrote programs that were not due)

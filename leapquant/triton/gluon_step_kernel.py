@@ -332,14 +332,12 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     gl.store(hcnt_ptr + prog, h + 1)
 
 
-@gluon.jit(do_not_specialize=["num_slots", "SS", "a_stride", "b_stride"],
-            do_not_specialize_on_alignment=["flags_ptr"])
+@gluon.jit(do_not_specialize=["num_slots", "SS", "a_stride", "b_stride"])
 def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, idx_ptr, qkv_ptr,
-                a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, flags_ptr, num_slots, SS, qkv_stride, a_stride, b_stride,
-                H: gl.constexpr, HK: gl.constexpr, IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr,
-                SELECT: gl.constexpr):
+                a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, num_slots, SS, qkv_stride, a_stride, b_stride,
+                H: gl.constexpr, HK: gl.constexpr, IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr):
     """Program ``pid`` = row * H + head of the grid (N * H,), 4 warps: the portable kernel's arguments
-    (step_kernel.step_kernel, SELECT and flags included) without BV."""
+    (step_kernel.step_kernel) without BV."""
     pid = gl.program_id(0)
     row = (pid // H).to(gl.int64)
     head = (pid % H).to(gl.int64)
@@ -363,18 +361,11 @@ def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     x_s = gl.allocate_shared_memory(gl.int8, [8, _K], PLAIN2_SMEM)
     sums_k = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     sums_q = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
-    valid = (slot > 0) & (slot < num_slots)
-    run = valid
-    if SELECT == 1:
-        run = valid & (gl.load(flags_ptr + pid) != 0)
-    if SELECT == 2:
-        run = valid & (gl.load(flags_ptr + pid) == 0)
-    if run:
+    if (slot > 0) & (slot < num_slots):
         _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr,
                       ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, A_log_ptr, dt_ptr, out_ptr, kx, qx, kx_c, qx_c,
                       vx, ax, bx,
                       row, head, slot, SS, H, IS_KDA, BETA_BF16)
-    if SELECT != 1:
-        if not valid:                       # no sequence on this row: a zero output, nothing else written
-            gl.store(out_ptr + (row * H + head) * _V + gl.arange(0, _V, layout=VVEC),
-                     gl.zeros([_V], gl.bfloat16, layout=VVEC))
+    else:                                   # no sequence on this row: a zero output, nothing else written
+        gl.store(out_ptr + (row * H + head) * _V + gl.arange(0, _V, layout=VVEC),
+                 gl.zeros([_V], gl.bfloat16, layout=VVEC))

@@ -9,7 +9,6 @@ chosen kernel for the pool's buffers, binds its launch (:func:`_bind`) and launc
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import triton
 
 from ..layout import Pool, buffer_addresses, capturing, on_pool_device, same_objects, slot_stride
 from ..validate import checked_record
-from . import decode_kernels, step_kernel, tl_kernel
+from . import step_kernel, tl_kernel
 from .tl_kernel import INTERPRETED
 
 #: (row, head) flags a program ranks per step of its scan (rows x heads padded to a power of two); a compile-time
@@ -106,7 +105,6 @@ class _Workspace:
     size and the launch bound to the pool's buffers."""
     rows: int                      # largest len(idx) served without growing
     due: torch.Tensor              # int32 [rows * H]: the call's due programs by rank
-    flags: torch.Tensor            # int8 [rows * H]: a decode call's snapshot of the programs its step makes due
     raw_u8: torch.Tensor
     raw_f16: torch.Tensor
     kernel: str = "tl"             # "mma" or "tl" (kernel_name_for)
@@ -116,7 +114,6 @@ class _Workspace:
     checked: object = None         # validate.checked_record(pool) when the binding was last found current
     launch: object = None          # launch(*kernel parameters): the compiled kernel's launcher, or the JIT's
     constants: tuple = ()          # the compile-time parameters, in the kernel's order, after the run-time ones
-    flagged: tuple | None = None   # (launch, constants) of the kernel ranking only flagged programs (decode), once made
 
 
 _WORKSPACES: "weakref.WeakKeyDictionary[Pool, _Workspace]" = weakref.WeakKeyDictionary()
@@ -131,7 +128,6 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
                            f"rows outside CUDA graph capture first: the workspace and kernels are made there")
     cap = max(rows, MIN_ROW_CAPACITY, ws.rows if ws is not None else 0)
     ws = _Workspace(rows=cap, due=torch.zeros(cap * pool.num_heads, dtype=torch.int32, device=pool.device),
-                    flags=torch.zeros(cap * pool.num_heads, dtype=torch.int8, device=pool.device),
                     raw_u8=pool.raw.view(torch.uint8), raw_f16=pool.raw.view(torch.float16))
     _WORKSPACES[pool] = ws
     return ws
@@ -145,24 +141,22 @@ def pool_buffers(pool: Pool) -> tuple:
 
 
 def flush_args(pool: Pool, buffers: tuple, raw_u8: torch.Tensor, raw_f16: torch.Tensor, due: torch.Tensor,
-               flags: torch.Tensor, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
+               q0: torch.Tensor, idx: torch.Tensor) -> tuple:
     """Run-time arguments of either kernel (same order) for a call with ``idx``: ``buffers`` from
-    :func:`pool_buffers`, raw's uint8 and fp16 views, ``due`` the workspace list int32 [>= len(idx) * H], ``flags``
-    the workspace's decode snapshot int8 [>= len(idx) * H] (read only by a kernel made with ``use_flags``)."""
+    :func:`pool_buffers`, raw's uint8 and fp16 views, ``due`` the workspace list int32 [>= len(idx) * H]."""
     raw, kbuf, ubuf, w, gate, gbuf, hcnt = buffers
-    return (raw, raw_u8, raw_f16, kbuf, ubuf, w, gate, gbuf, q0, idx, hcnt, due, flags,
+    return (raw, raw_u8, raw_f16, kbuf, ubuf, w, gate, gbuf, q0, idx, hcnt, due,
             idx.numel(), pool.num_slots, slot_stride(pool.num_heads))
 
 
 def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
-    return flush_args(pool, ws.buffers, ws.raw_u8, ws.raw_f16, ws.due, ws.flags, q0, idx)
+    return flush_args(pool, ws.buffers, ws.raw_u8, ws.raw_f16, ws.due, q0, idx)
 
 
-def flush_meta(pool: Pool, kernel: str, programs: int, use_flags: bool = False) -> dict:
-    """Compile-time arguments and launch options of ``kernel`` for a grid of ``programs`` (``use_flags``: only the
-    programs flagged in the decode snapshot can be due)."""
+def flush_meta(pool: Pool, kernel: str, programs: int) -> dict:
+    """Compile-time arguments and launch options of ``kernel`` for a grid of ``programs``."""
     hp = triton.next_power_of_2(pool.num_heads)
-    meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK, USE_FLAGS=use_flags)
+    meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK)
     if kernel == "mma":
         return dict(meta, TW=min(hp, 32), num_warps=_gluon_kernel().WARPS, num_stages=1)
     return dict(meta, num_warps=tl_kernel.WARPS, num_stages=1)
@@ -214,23 +208,20 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
     fn = kernel_fn(ws.kernel)
     args = _flush_args(pool, ws, q0, idx)
     ws.programs = resident_programs(pool, fn, args, flush_meta(pool, ws.kernel, 1))
-    ws.launch, ws.constants = _compiled_launch(fn, args, flush_meta(pool, ws.kernel, ws.programs))
-    ws.flagged = None
-
-
-def _compiled_launch(fn, args: tuple, meta: dict) -> tuple:
-    """(launch, constants): ``fn`` compiled for ``args`` and ``meta`` on its persistent grid (``meta["G"]``
-    programs), called as ``launch(*args, *constants)``."""
-    grid = (meta["G"], 1, 1)              # (the compiled kernel's launcher reads all three dimensions)
+    meta = flush_meta(pool, ws.kernel, ws.programs)
+    grid = (ws.programs, 1, 1)            # (the compiled kernel's launcher reads all three dimensions)
     if _bound_launch_supported():
         compiled = fn.warmup(*args, grid=grid, **meta)
-        return compiled[grid], tuple(meta[name] for name in fn.arg_names[len(args):])
-    options = {k: v for k, v in meta.items() if k not in fn.arg_names}
-    consts = {k: v for k, v in meta.items() if k in fn.arg_names}
+        ws.constants = tuple(meta[name] for name in fn.arg_names[len(args):])
+        ws.launch = compiled[grid]
+    else:
+        options = {k: v for k, v in meta.items() if k not in fn.arg_names}
+        consts = {k: v for k, v in meta.items() if k in fn.arg_names}
+        ws.constants = ()
 
-    def launch(*args):
-        fn[grid](*args, **consts, **options)
-    return launch, ()
+        def launch(*args):
+            fn[grid](*args, **consts, **options)
+        ws.launch = launch
 
 
 def _bound(pool: Pool, ws: _Workspace) -> bool:
@@ -261,16 +252,11 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
 
 
 def warmup(pool: Pool) -> None:
-    """Make the workspace, compile / load the flush kernel for ``pool`` and bind its launch (outside any graph capture)
-    by flushing an all-skip row: nothing in the pool changes; the same for the decode's flush (the kernel ranking only
-    flagged programs) and its second stream."""
+    """Make the workspace, compile / load the kernel for ``pool`` and bind its launch (outside any graph capture) by
+    flushing an all-skip row: nothing in the pool changes."""
     from ..reference import default_q0
     idx = torch.zeros(1, dtype=torch.int32, device=pool.device)
-    q0 = default_q0(pool.device)
-    flush(pool, idx, q0)
-    with on_pool_device(pool):
-        _flagged_flush(pool, _workspace(pool, 1), q0, idx)
-        _side_stream(pool.device)
+    flush(pool, idx, default_q0(pool.device))
 
 
 # ---- the decode step ---------------------------------------------------------------------------------------------------
@@ -284,98 +270,18 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
     graph once the kernel is compiled. GDN passes p in place of the KDA-only gbuf (never read there), as the flush."""
     if idx.numel() == 0:
         return
-    with on_pool_device(pool):
-        _launch_step(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16)
-
-
-def _launch_step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 A_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor, num_k_heads: int, beta_bf16: bool,
-                 select: int = 0, flags: torch.Tensor | None = None) -> None:
-    """One launch of the step kernel on the current device and stream: every program (``select`` 0), or only the
-    programs flagged in ``flags`` (1) or only the others (2): the step kernel's SELECT."""
-    args = (*_step_pool_args(pool), idx, qkv, a, b, A_log, dt_bias, out,
-            idx if flags is None else flags,        # (read only where select != 0)
-            pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
-    meta = dict(H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16),
-                SELECT=select)
+    args = (*_step_pool_args(pool), idx, qkv, a, b, A_log, dt_bias, out, pool.num_slots,
+            slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
+    meta = dict(H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16))
     grid = (idx.numel() * pool.num_heads,)
-    if _step_kernel_choice(pool.device) == "mma":
-        gk = _gluon_step_kernel()
-        gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1, maxnreg=gk.MAX_REGISTERS[pool.gate])
-    else:
-        step_kernel.step_kernel[grid](*args, **meta, BV=step_kernel.BV, num_warps=step_kernel.WARPS, num_stages=1)
-
-
-# ---- one decode token: the step and the flush of what it fills, side by side -------------------------------------------
-def decode(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-           dt_bias: torch.Tensor, q0: torch.Tensor, out: torch.Tensor, num_k_heads: int, beta_bf16: bool) -> None:
-    """Triton backend of :func:`leapquant.decode_inplace` (arguments already validated, ``out`` given): the step,
-    then the flush of the windows it fills, with the same result as :func:`step` followed by :func:`flush`.
-
-    Four launches: :func:`~leapquant.triton.decode_kernels.snapshot_due` flags the programs this step makes due (about
-    1/16 of them at the steady state); on a second stream (high priority) the step of the flagged programs, then the
-    flush of them (its ranking reads the flags); on the caller's stream meanwhile the step of the others; the caller's
-    stream then waits for the second. The flush's per-program chain runs under the other programs' step traffic
-    instead of after it. No two launches touch the same program, and every launch is on a stream the call forks from
-    and joins to the caller's current stream, so the call is graph-capturable as one (its kernels are made by a first
-    eager call). On the CPU (the interpreter) the same launches run one after another."""
-    if idx.numel() == 0:
-        return
     with on_pool_device(pool):
-        ws = _workspace(pool, idx.numel())
-        if not _bound(pool, ws):
-            _bind(pool, ws, q0, idx)
-            ws.checked = checked_record(pool)
-        flagged = _flagged_flush(pool, ws, q0, idx)
-        total = idx.numel() * pool.num_heads
-        decode_kernels.snapshot_due[(triton.cdiv(total, decode_kernels.BLOCK),)](
-            idx, pool.hcnt, ws.flags, total, pool.num_slots, H=pool.num_heads, BLOCK=decode_kernels.BLOCK)
-        step_args = (pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16)
-        side = _side_stream(pool.device)
-        if side is None:
-            _launch_step(*step_args, select=1, flags=ws.flags)
-            flagged[0](*_flush_args(pool, ws, q0, idx), *flagged[1])
-            _launch_step(*step_args, select=2, flags=ws.flags)
-            return
-        main = torch.cuda.current_stream(pool.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            _launch_step(*step_args, select=1, flags=ws.flags)
-            flagged[0](*_flush_args(pool, ws, q0, idx), *flagged[1])
-        _launch_step(*step_args, select=2, flags=ws.flags)
-        main.wait_stream(side)
-
-
-def _flagged_flush(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> tuple:
-    """(launch, constants) of the flush kernel that ranks only the flagged programs, made once per binding."""
-    if ws.flagged is None:
-        if capturing(pool.device):
-            raise RuntimeError("leapquant triton decode: call leapquant.decode_inplace once outside CUDA graph "
-                               "capture first (its kernels are compiled and bound to the pool's buffers there)")
-        fn = kernel_fn(ws.kernel)
-        ws.flagged = _compiled_launch(fn, _flush_args(pool, ws, q0, idx),
-                                      flush_meta(pool, ws.kernel, ws.programs, use_flags=True))
-    return ws.flagged
-
-
-#: per thread and device, the second stream of decode calls (high priority: the flush's chain is the longer one)
-_SIDE = threading.local()
-
-
-def _side_stream(device: torch.device):
-    """The calling thread's second stream on ``device`` (None on the CPU), made on its first decode call there."""
-    if device.type != "cuda":
-        return None
-    streams = getattr(_SIDE, "streams", None)
-    if streams is None:
-        streams = _SIDE.streams = {}
-    side = streams.get(device.index)
-    if side is None:
-        if capturing(device):
-            raise RuntimeError("leapquant triton decode: call leapquant.decode_inplace once outside CUDA graph "
-                               "capture first (its second stream is made there)")
-        side = streams[device.index] = torch.cuda.Stream(device, priority=-1)
-    return side
+        if _step_kernel_choice(pool.device) == "mma":
+            gk = _gluon_step_kernel()
+            gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1,
+                                 maxnreg=gk.MAX_REGISTERS[pool.gate])
+        else:
+            step_kernel.step_kernel[grid](*args, **meta, BV=step_kernel.BV, num_warps=step_kernel.WARPS,
+                                          num_stages=1)
 
 
 #: per pool: (the argument check's record they were made under, the step's pool arguments)

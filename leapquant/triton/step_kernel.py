@@ -186,35 +186,24 @@ def _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
     tl.store(hcnt_ptr + prog, h + 1)
 
 
-@triton.jit(do_not_specialize=["num_slots", "SS", "qkv_stride", "a_stride", "b_stride"],
-            do_not_specialize_on_alignment=["flags_ptr"])
+@triton.jit(do_not_specialize=["num_slots", "SS", "qkv_stride", "a_stride", "b_stride"])
 def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, idx_ptr, qkv_ptr,
-                a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, flags_ptr, num_slots, SS, qkv_stride, a_stride, b_stride,
+                a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, num_slots, SS, qkv_stride, a_stride, b_stride,
                 H: tl.constexpr, HK: tl.constexpr, IS_KDA: tl.constexpr, BETA_BF16: tl.constexpr,
-                SELECT: tl.constexpr, BV: tl.constexpr):
+                BV: tl.constexpr):
     """Program ``pid`` = row * H + head of the grid (N * H,).
 
     raw as fp32 / uint8 / fp16 pointers (one buffer); the pool's window tensors (gate_ptr: pcum fp32 [NS, H, K] for
     KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], a placeholder for GDN); hcnt int32 [NS, H]; idx int32 [N];
     qkv bf16 rows (q | k | v) at qkv_stride; a bf16 [N, H, K] (KDA) or [N, H] (GDN) rows at a_stride; b bf16 [N, H]
-    rows at b_stride; A_log fp32 [H]; dt_bias fp32 [H, K] or [H]; out bf16 [N, H, V] contiguous. HK key heads.
-    SELECT: 0 steps every program; 1 only those flagged in flags (int8 [N * H] at ``pid``: a decode call's snapshot
-    of the programs its step makes due, :mod:`leapquant.triton.decode_kernels`), 2 only the others (and the rows
-    without a sequence): a decode call's two halves, which never touch the same program."""
+    rows at b_stride; A_log fp32 [H]; dt_bias fp32 [H, K] or [H]; out bf16 [N, H, V] contiguous. HK key heads."""
     pid = tl.program_id(0)
     row = (pid // H).to(tl.int64)
     head = (pid % H).to(tl.int64)
     slot = tl.load(idx_ptr + row).to(tl.int64)
-    valid = (slot > 0) & (slot < num_slots)
-    run = valid
-    if SELECT == 1:
-        run = valid & (tl.load(flags_ptr + pid) != 0)
-    if SELECT == 2:
-        run = valid & (tl.load(flags_ptr + pid) == 0)
-    if run:
+    if (slot > 0) & (slot < num_slots):
         _step_program(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, qkv_ptr,
                       a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, row, head, slot, SS, qkv_stride, a_stride, b_stride,
                       H, HK, IS_KDA, BETA_BF16, BV)
-    if SELECT != 1:
-        if not valid:                       # no sequence on this row: a zero output, nothing else written
-            tl.store(out_ptr + (row * H + head) * _V + tl.arange(0, _V), tl.zeros([_V], tl.bfloat16))
+    else:                                   # no sequence on this row: a zero output, nothing else written
+        tl.store(out_ptr + (row * H + head) * _V + tl.arange(0, _V), tl.zeros([_V], tl.bfloat16))

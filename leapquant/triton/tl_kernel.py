@@ -81,15 +81,14 @@ _ALIGN = _const(math.gcd(OFF, REGION_WORDS))
 
 # ---- ranking: each persistent program finds its own due programs -------------------------------------------------
 @triton.jit
-def _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H: tl.constexpr, HP: tl.constexpr,
-              G: tl.constexpr, CHUNK: tl.constexpr, USE_FLAGS: tl.constexpr):
+def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+              CHUNK: tl.constexpr):
     """Rank the call's due programs in flag order (row, head) and write the code ``slot * H + head`` of each one whose
     rank r is ``pid (mod G)`` to ``due[r]``; return their total (int32).
 
     idx int32 [N] (slot per row; 0, negative or >= num_slots: skip), hcnt int32 [NS, H], due int32 [>= N * H]; HP =
-    H rounded up to a power of two. USE_FLAGS: only the programs whose flag (int8 [N * H] at row * H + head,
-    :func:`leapquant.triton.decode_kernels.snapshot_due`) is set can be due. Each rank has one writer and one reader,
-    the same program: no program waits for another."""
+    H rounded up to a power of two. Each rank has one writer and one reader, the same program: no program waits for
+    another."""
     ROWS: tl.constexpr = CHUNK // HP
     heads = tl.arange(0, HP)
     total = 0
@@ -101,11 +100,7 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H: tl.co
         ok = (rows < N) & (slot > 0) & (slot < num_slots)
         live = ok[:, None] & (heads[None, :] < H)
         fill = tl.load(hcnt_ptr + slot.to(tl.int64)[:, None] * H + heads[None, :], mask=live, other=0)
-        due = live & (fill == _L)
-        if USE_FLAGS:
-            flag = tl.load(flags_ptr + rows[:, None] * H + heads[None, :], mask=live, other=0)
-            due = due & (flag != 0)
-        due = due.to(tl.int32)
+        due = (live & (fill == _L)).to(tl.int32)
         per_row = tl.sum(due, 1)
         n = tl.sum(per_row, 0)
         if n > 0:                                   # (a step with nothing due skips the prefix sums)
@@ -367,21 +362,19 @@ def _flush_program(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog,
 
 
 # ---- the kernel -----------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["N", "num_slots", "SS"],
-            do_not_specialize_on_alignment=["q0_ptr", "idx_ptr", "flags_ptr"])
+@triton.jit(do_not_specialize=["N", "num_slots", "SS"], do_not_specialize_on_alignment=["q0_ptr", "idx_ptr"])
 def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, idx_ptr, hcnt_ptr,
-               due_ptr, flags_ptr, N, num_slots, SS, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
-               IS_KDA: tl.constexpr, CHUNK: tl.constexpr, USE_FLAGS: tl.constexpr):
+               due_ptr, N, num_slots, SS, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+               IS_KDA: tl.constexpr, CHUNK: tl.constexpr):
     """Persistent program ``pid`` of ``G`` (the grid): ranks the due programs (:func:`_rank_due`), then flushes its
     items pid, pid + G, ... of them. H (heads) and G are compile-time: the ranking's tile is rows x HP and its
     remainder by G a multiplication and shifts (a run-time divisor costs ~20 instructions per flag).
 
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
     for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], idx int32 [N],
-    hcnt int32 [NS, H], the workspace list due int32 [>= N * H]; CHUNK: flags ranked per step of the scan;
-    flags int8 [N * H] read only where USE_FLAGS (a decode call's snapshot of the programs its step makes due)."""
+    hcnt int32 [NS, H], the workspace list due int32 [>= N * H]; CHUNK: flags ranked per step of the scan."""
     pid = tl.program_id(0)
-    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, flags_ptr, N, num_slots, pid, H, HP, G, CHUNK, USE_FLAGS)
+    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK)
     tl.debug_barrier()                             # the list entries written by this program's threads, visible to all
     t = pid
     code = tl.load(due_ptr + t, mask=t < total, other=0).to(tl.int64)
