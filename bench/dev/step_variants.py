@@ -63,6 +63,25 @@ def load_gluon_file(path: str):
 _VARIANTS: list = []
 
 
+def timing_points(gates, batches, dev, nsets: int = 8):
+    """For each gate and batch, ``(gate, hk, pool, batch, sets, idx, tokens)``: one pool per gate holding ``nsets``
+    disjoint slot sets of ``batch`` rows x 32 heads (the step families' 16 rows, seed 0, tiled to the batch), each
+    set's slots (long) and idx (int32), and one token per set (``make_tokens``). What the step and decode A/B tools
+    time on; the pool is released after its gate's last batch."""
+    for gate in gates:
+        hk = num_k_heads_for(gate, 32)
+        base = make_step_case(16, 32, gate, 0, "cpu", num_k_heads=hk)
+        pool = Pool(nsets * max(batches) + 9, 32, device=dev, gate=gate)
+        for batch in batches:
+            sets = slot_sets(nsets, batch, 0, dev)
+            case = tile_case(base, batch)
+            for s in sets:
+                case.load_into(pool, s)
+            yield gate, hk, pool, batch, sets, [s.to(torch.int32) for s in sets], make_tokens(case, nsets, dev)
+        pool = None  # noqa: F841
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     global A_LOG, DT
     ap = argparse.ArgumentParser()
@@ -87,40 +106,28 @@ def main() -> None:
     bw = float(args.bandwidth) * 1e9
     print("| gate | batch | fill | kernel | warps | config | median us | x bound |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for gate in ("kda", "gdn"):
-        hk = num_k_heads_for(gate, 32)
-        base = make_step_case(16, 32, gate, 0, "cpu", num_k_heads=hk)
-        pool = Pool(8 * max(args.batch) + 9, 32, device=dev, gate=gate)
-        for batch in args.batch:
-            sets = slot_sets(8, batch, 0, dev)
-            idx = [s.to(torch.int32) for s in sets]
-            case = tile_case(base, batch)
-            tk = make_tokens(case, 8, dev)
-            A_LOG, DT = tk.A_log, tk.dt_bias
-            for s in sets:
-                case.load_into(pool, s)
-            bound = batch * 32 * step_program_bytes(gate) / bw * 1e6
-            for fill in args.fill:
-                fills = torch.full((batch, 32), fill, dtype=torch.int32, device=dev)
+    for gate, hk, pool, batch, sets, idx, tk in timing_points(("kda", "gdn"), args.batch, dev):
+        A_LOG, DT = tk.A_log, tk.dt_bias
+        bound = batch * 32 * step_program_bytes(gate) / bw * 1e6
+        for fill in args.fill:
+            fills = torch.full((batch, 32), fill, dtype=torch.int32, device=dev)
 
-                def prepare(s):
-                    pool.hcnt[sets[s]] = fills
-                for name, kern, warps, cfg in variants:
-                    if "own" in cfg:
-                        bv = {"maxnreg": getattr(dict(modules)[name], "MAX_REGISTERS", {}).get(gate)}
-                    else:
-                        bv = cfg
-                    call = lambda s: launch(kern, warps, bv, pool, idx[s], (tk.qkv[s], tk.a[s], tk.b[s], tk.out[s]), hk)  # noqa: E731
-                    try:
-                        samples, _ = time_calls_kernel(call, 8, args.repeats, dev, prepare=prepare)
-                        med = _percentile(samples, 50)
-                        print(f"| {gate} | {batch} | {fill} | {name} | {warps} | {bv} | {med:.1f} | {med / bound:.2f} |",
-                              flush=True)
-                    except Exception as e:
-                        print(f"| {gate} | {batch} | {fill} | {name} | {warps} | {bv} | error: {str(e)[:80]} | |",
-                              flush=True)
-        pool = None  # noqa: F841
-        torch.cuda.empty_cache()
+            def prepare(s):
+                pool.hcnt[sets[s]] = fills
+            for name, kern, warps, cfg in variants:
+                if "own" in cfg:
+                    bv = {"maxnreg": getattr(dict(modules)[name], "MAX_REGISTERS", {}).get(gate)}
+                else:
+                    bv = cfg
+                call = lambda s: launch(kern, warps, bv, pool, idx[s], (tk.qkv[s], tk.a[s], tk.b[s], tk.out[s]), hk)  # noqa: E731
+                try:
+                    samples, _ = time_calls_kernel(call, 8, args.repeats, dev, prepare=prepare)
+                    med = _percentile(samples, 50)
+                    print(f"| {gate} | {batch} | {fill} | {name} | {warps} | {bv} | {med:.1f} | {med / bound:.2f} |",
+                          flush=True)
+                except Exception as e:
+                    print(f"| {gate} | {batch} | {fill} | {name} | {warps} | {bv} | error: {str(e)[:80]} | |",
+                          flush=True)
 
 
 if __name__ == "__main__":

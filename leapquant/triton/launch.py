@@ -204,6 +204,7 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
                            "(the kernel is compiled and bound to the pool's buffers there)")
     ws.buffers = pool_buffers(pool)
     ws.addresses = buffer_addresses(ws.buffers)
+    ws.checked = checked_record(pool)
     ws.kernel = kernel_name_for(pool.device)
     fn = kernel_fn(ws.kernel)
     args = _flush_args(pool, ws, q0, idx)
@@ -247,7 +248,6 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
         ws = _workspace(pool, idx.numel())
         if not _bound(pool, ws):
             _bind(pool, ws, q0, idx)
-            ws.checked = checked_record(pool)
         ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
 
 
