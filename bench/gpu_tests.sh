@@ -13,13 +13,18 @@ wanted=" ${*:-conformance tilelang triton pool e2e rest} "
 mkdir -p "$out"
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 sel="not deployment_sizes and not other_head_counts and not compiles"
+# Each shard's torch gets a share of the cores (OMP_NUM_THREADS): six processes of one torch thread per core each
+# left the CPU-bound tests (the reference, the CPU halves of the e2e and conformance tests) fighting over 16 cores.
+threads=$(( $(nproc) / 6 )); [ "$threads" -ge 1 ] || threads=1
+stamp() { while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done; }   # each log line with its time
 shard() {   # shard NAME FILE...  (only the shards asked for)
-    local name=$1 t0=$SECONDS
+    local name=$1 t0=$SECONDS rc
     shift
     case "$wanted" in *" $name "*) ;; *) return 0;; esac
-    timeout "$limit" python -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=15 "$@" -k "$sel" \
-        > "$out/$name.log" 2>&1
-    echo "$name: rc=$? $((SECONDS - t0)) s: $(grep -E '^=+ .*(passed|failed).* =+$' "$out/$name.log" | tail -1)" \
+    PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$threads timeout "$limit" python -m pytest -v -p no:cacheprovider -rfEs --tb=short \
+        --durations=15 "$@" -k "$sel" 2>&1 | stamp > "$out/$name.log"
+    rc=${PIPESTATUS[0]}
+    echo "$name: rc=$rc $((SECONDS - t0)) s: $(grep -E '=+ .*(passed|failed).* =+$' "$out/$name.log" | tail -1)" \
         >> "$out/summary.txt"
 }
 : >> "$out/summary.txt"
@@ -38,4 +43,4 @@ shard e2e $e2e &
 shard rest $rest &
 wait
 cat "$out/summary.txt"
-grep -hE "^(FAILED|ERROR) " "$out"/*.log || true
+grep -hE "^[0-9:]+ (FAILED|ERROR) " "$out"/*.log || true

@@ -858,12 +858,10 @@ def time_target(run: Run, tgt: Target, call: Callable[[int], None],
     kernel = plan.on_gpu and tgt.name != "reference"
     if kernel and a.timer == "kernel":
         return time_calls_kernel(call, a.rotate, plan.repeats, plan.device, prepare=prepare)
-    if prepare is not None:
-        call = (lambda f: (lambda s: (prepare(s), f(s))))(call)
     if a.timer == "wall":
-        return time_calls_wall(call, a.rotate, plan.repeats, plan.device, a.max_seconds)
+        return time_calls_wall(call, a.rotate, plan.repeats, plan.device, a.max_seconds, prepare=prepare)
     return time_calls(call, a.rotate, plan.repeats, plan.device, a.max_seconds, capture=kernel and a.timer == "graph",
-                      host_sync=(tgt.name == "reference"))
+                      host_sync=(tgt.name == "reference"), prepare=prepare)
 
 
 def time_due(run: Run, tgt: Target, pool, gate: str, batch: int, due: str, sets: list, idx: list, tiled: dict,
@@ -881,14 +879,14 @@ def time_due(run: Run, tgt: Target, pool, gate: str, batch: int, due: str, sets:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # a flush empties the windows it folds, and a flush of an empty window writes nothing: every timed call gets its
-    # windows' weights and gate back first (outside its time under --timer kernel)
+    # windows' weights and gate back first, outside its time (every timer); with nothing due nothing is consumed
     gate_name = "pcum" if gate == "kda" else "p"
     saved = [(pool.w[slots].clone(), getattr(pool, gate_name)[slots].clone()) for slots in sets]
 
     def prepare(s: int) -> None:
         pool.w[sets[s]] = saved[s][0]
         getattr(pool, gate_name)[sets[s]] = saved[s][1]
-    samples, method = time_target(run, tgt, lambda s: tgt.flush(pool, idx[s], run.q0), prepare)
+    samples, method = time_target(run, tgt, lambda s: tgt.flush(pool, idx[s], run.q0), prepare if ndue else None)
     row.due_programs = ndue
     row.median_us, row.p20_us, row.p80_us = (_percentile(samples, 50), _percentile(samples, 20),
                                              _percentile(samples, 80))

@@ -69,21 +69,30 @@ def copy_bandwidth(device) -> tuple[float, str]:
     return 2 * n / _percentile(times, 50), "64 MiB host memory copy, wall-clock, median of 5"
 
 
+def _unprepared(prepare: Callable[[int], None] | None) -> Callable[[int], None]:
+    return prepare if prepare is not None else (lambda s: None)
+
+
 def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, max_seconds: float,
-               capture: bool, host_sync: bool = False) -> tuple[list[float], str]:
+               capture: bool, host_sync: bool = False,
+               prepare: Callable[[int], None] | None = None) -> tuple[list[float], str]:
     """Per-call times in microseconds of ``call(s)`` rotating s over ``nsets`` slot sets, and the method used.
 
     On a GPU every call is bracketed by CUDA events. ``capture``: one CUDA graph per slot set holds the call and its
     replay is timed (falls back to the eager call when the capture fails). Unless the call synchronises with the host
     (``host_sync``), each chunk of launches is queued behind a sleep kernel, so the events measure the GPU's work and
-    not the host's launch latency."""
+    not the host's launch latency. ``prepare(s)``, when given, restores what a call on set s consumes (a flush's
+    windows, a step's fill counts): it runs eagerly before each call, outside the call's events (and outside its graph)."""
     import torch
     dev = torch.device(device)
+    prep = _unprepared(prepare)
     if dev.type != "cuda":
+        prep(nsets - 1)
         call(nsets - 1)                              # warm-up (no L2 to speak of at CPU timescales: one call)
         out: list[float] = []
         t_end = time.perf_counter() + max_seconds
         for r in range(repeats):
+            prep(r % nsets)
             t0 = time.perf_counter()
             call(r % nsets)
             out.append((time.perf_counter() - t0) * 1e6)
@@ -96,6 +105,7 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
     with torch.cuda.stream(stream):                  # warm-up on a side stream, as before a capture
         for _ in range(2):
             for s in range(nsets):
+                prep(s)
                 call(s)
     torch.cuda.current_stream(dev).wait_stream(stream)
     torch.cuda.synchronize(dev)
@@ -110,7 +120,8 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
                 with torch.cuda.graph(g):
                     call(s)
                 graphs.append(g)
-            for g in graphs:                         # one replay each before timing
+            for s, g in enumerate(graphs):           # one replay each before timing
+                prep(s)
                 g.replay()
             torch.cuda.synchronize(dev)
         except Exception as e:
@@ -130,6 +141,7 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
                 torch.cuda._sleep(10_000_000)         # ~5 ms: keeps the GPU queue ahead of the host's launches
             for i in range(n):
                 s = (r + i) % nsets
+                prep(s)
                 evs[i][0].record()
                 if graphs is not None:
                     graphs[s].replay()
@@ -151,15 +163,21 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
 
 
 def time_calls_wall(call: Callable[[int], None], nsets: int, repeats: int, device, max_seconds: float,
-                    run: int = 16) -> tuple[list[float], str]:
+                    run: int = 16, prepare: Callable[[int], None] | None = None) -> tuple[list[float], str]:
     """Host wall-clock microseconds per eager call: each sample is one run of ``run`` back-to-back calls (rotating
     over ``nsets`` slot sets) from an idle GPU to the device's synchronisation after the last, divided by ``run``. It is
     what an engine that calls the flush eagerly (prefill, mixed batches) pays per call: the larger of the host's cost
-    (argument checks, dispatch, launch) and the GPU's."""
+    (argument checks, dispatch, launch) and the GPU's. ``prepare(s)``, when given, restores what a call on set s
+    consumes; it runs for every set of a run before the run's clock starts, and a run then calls each set at most once
+    (``run`` at most ``nsets``)."""
     import torch
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    prep = _unprepared(prepare)
+    if prepare is not None:
+        run = min(run, nsets)
     for s in range(nsets):
+        prep(s)
         call(s)
     sync()
     out: list[float] = []
@@ -167,6 +185,10 @@ def time_calls_wall(call: Callable[[int], None], nsets: int, repeats: int, devic
     r = 0
     while r < repeats:
         n = min(run, repeats - r)
+        if prepare is not None:
+            for i in range(n):
+                prep((r + i) % nsets)
+            sync()
         t0 = time.perf_counter()
         for i in range(n):
             call((r + i) % nsets)
@@ -183,8 +205,10 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
     """Per-call CUDA kernel time in microseconds from torch.profiler: the call is captured once per slot set in a
     CUDA graph (eager when capture fails) and replayed ``repeats`` times in rotation, each replay preceded by a marker
     kernel; a call's time is the span from its first kernel's start to its last kernel's end (gaps between its own
-    kernels included, host launch overhead excluded). ``prepare(s)``, when given, runs eagerly before the marker of
-    each call on set s (outside its time): it restores what the call consumes (a step's fill counts)."""
+    kernels included, host launch overhead excluded). ``prepare(s)``, when given, restores what a call on set s
+    consumes (a flush's windows, a step's fill counts): it runs eagerly for every set before the first call and after
+    each round of ``nsets`` calls (each set called once a round), behind a marker of its own, outside every call's
+    time; within a round the calls follow each other as without it."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -192,8 +216,10 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
     dev = torch.device(device)
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
+    prep = _unprepared(prepare)
     with torch.cuda.stream(stream):
         for s in range(nsets):
+            prep(s)
             call(s)
     torch.cuda.current_stream(dev).wait_stream(stream)
     torch.cuda.synchronize(dev)
@@ -205,7 +231,8 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
             with torch.cuda.graph(g):
                 call(s)
             graphs.append(g)
-        for g in graphs:
+        for s, g in enumerate(graphs):
+            prep(s)
             g.replay()
         torch.cuda.synchronize(dev)
     except Exception as e:
@@ -217,8 +244,8 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         if hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(20_000_000)                         # keep the queue ahead of the host's launches
-        if prepare is not None:
-            prepare(0)
+        for s in range(nsets):
+            prep(s)
         for r in range(repeats):
             with torch.profiler.record_function(MARK):
                 marker.fill_(float(r))
@@ -226,9 +253,10 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
                 graphs[r % nsets].replay()
             else:
                 call(r % nsets)
-            if prepare is not None:               # a marker closes the call, then the next call's preparation
+            if prepare is not None and (r + 1) % nsets == 0:   # a marker closes the round, then its preparation
                 marker.fill_(-2.0)
-                prepare((r + 1) % nsets)
+                for s in range(nsets):
+                    prep(s)
         marker.fill_(-1.0)
         torch.cuda.synchronize(dev)
     del graphs
@@ -248,8 +276,8 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
             continue
         if spans:
             spans[-1].append((e.time_range.start, e.time_range.end))
-    if prepare is not None:
-        spans = spans[0::2]                       # every other span holds a preparation
+    if prepare is not None:                       # the span after every nsets calls holds a preparation
+        spans = [sp for i, sp in enumerate(spans) if (i + 1) % (nsets + 1)]
     for sp in spans[:repeats]:
         out.append(max(b for _, b in sp) - min(a for a, _ in sp) if sp else 0.0)
     if len(out) < min(3, repeats):

@@ -183,11 +183,11 @@ def _time(run, call: Callable[[int], None], prepare: Callable[[int], None] | Non
     a, plan = run.args, run.plan
     if plan.on_gpu and not reference and a.timer == "kernel":
         return time_calls_kernel(call, a.rotate, plan.repeats, plan.device, prepare=prepare)
-    wrapped = call if prepare is None else (lambda s: (prepare(s), call(s)))
     if a.timer == "wall":
-        return time_calls_wall(wrapped, a.rotate, plan.repeats, plan.device, a.max_seconds)
-    return time_calls(wrapped, a.rotate, plan.repeats, plan.device, a.max_seconds,
-                      capture=plan.on_gpu and not reference and a.timer == "graph", host_sync=reference)
+        return time_calls_wall(call, a.rotate, plan.repeats, plan.device, a.max_seconds, prepare=prepare)
+    return time_calls(call, a.rotate, plan.repeats, plan.device, a.max_seconds,
+                      capture=plan.on_gpu and not reference and a.timer == "graph", host_sync=reference,
+                      prepare=prepare)
 
 
 def _fill_row(row: Row, samples: list, method: str, nprog: int, nbytes: float, bw_gbs: float) -> None:

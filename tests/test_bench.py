@@ -11,6 +11,7 @@ import argparse
 import csv
 import math
 import textwrap
+import time
 
 import pytest
 import torch
@@ -273,6 +274,56 @@ def test_wall_timer_rows_say_so(tmp_path):
                        *TINY, "--csv", str(out_csv)]) == 0
     (row,) = _rows(out_csv)
     assert row["timing"].startswith("host wall-clock per eager call") and float(row["median_us"]) > 0
+
+
+@pytest.mark.parametrize("timer", ["events", "wall"])
+def test_preparation_runs_before_each_call_and_outside_its_time(timer):
+    """A call consumes its set (as a flush empties its windows); ``prepare`` restores it. Every call must find its set
+    restored, and the preparation's own time must not be in the samples (it sleeps 20 ms, the call does nothing)."""
+    ready = [False] * 4
+    calls = []
+
+    def prepare(s):
+        time.sleep(0.02)
+        ready[s] = True
+
+    def call(s):
+        calls.append(ready[s])
+        ready[s] = False
+
+    if timer == "wall":
+        samples, method = bench_common.time_calls_wall(call, 4, 12, "cpu", 5.0, prepare=prepare)
+    else:
+        samples, method = bench_common.time_calls(call, 4, 12, "cpu", 5.0, capture=False, prepare=prepare)
+    assert calls and all(calls), "a call found its set not restored"
+    assert max(samples) < 10_000, f"the preparation's 20 ms reached the samples: {max(samples):.0f} us"
+
+
+def test_kernel_timer_prepares_every_round_outside_the_calls(cuda_device):
+    """time_calls_kernel with a preparation: every replayed call finds its set restored (the call records what it found
+    and consumes it), and no call's span holds the preparation's kernels (a 256 MiB fill, far longer than a call)."""
+    nsets, repeats = 4, 10
+    ready = torch.zeros(nsets, device=cuda_device)
+    seen = torch.zeros(repeats + 2 * nsets, device=cuda_device)
+    count = torch.zeros((), dtype=torch.long, device=cuda_device)
+    big = torch.empty(64 << 20, device=cuda_device)
+
+    def prepare(s):
+        big.fill_(float(s))
+        ready[s] = 1.0
+
+    def call(s):
+        seen.index_copy_(0, count.view(1), ready[s].view(1))
+        count.add_(1)
+        ready[s] = 0.0
+
+    samples, _ = bench_common.time_calls_kernel(call, nsets, repeats, cuda_device, prepare=prepare)
+    torch.cuda.synchronize(cuda_device)
+    n = int(count)
+    assert len(samples) == repeats and n >= repeats
+    assert bool((seen[:n] == 1.0).all()), f"a call found its set not restored: {seen[:n].tolist()}"
+    fill_us = bench_common.time_calls_kernel(lambda s: big.fill_(1.0), nsets, 8, cuda_device)[0]
+    assert max(samples) < min(fill_us) / 2, f"a call's span holds the preparation: {samples} against {fill_us}"
 
 
 # ---- the run's steps -------------------------------------------------------------------------------------------------
