@@ -567,13 +567,15 @@ def _argv(argv: Sequence[str] | None) -> list[str]:
 #: the header's description of each --timer on a GPU, and the short form in the plot's title
 TIMING_LONG = {
     "kernel": "CUDA kernel time from torch.profiler: per call, first kernel start to last kernel end, replaying a CUDA "
-              "graph of one {call} call (markers between calls); the reference (host-synchronising) with CUDA "
+              "graph of one {call} call (markers between calls; what the calls consume restored after each round over "
+              "the slot sets, outside every call); the reference (host-synchronising) with CUDA "
               "events around the eager call",
     "graph": "per call, CUDA events around the replay of a CUDA graph holding one {call} call (launches queued "
              "behind a sleep kernel; includes the replay's launch overhead)",
     "eager": "per call, CUDA events around the eager call (launches queued behind a sleep kernel)",
     "wall": "host wall-clock per eager call of leapquant.{call} (argument checks, dispatch and launch "
-            "included): runs of 16 back-to-back calls, synchronised after each run",
+            "included): runs of 16 back-to-back calls (8 where each call consumes its slot set's windows, restored "
+            "before the run's clock starts), synchronised after each run",
 }
 TIMING_SHORT = {"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay, events", "eager": "eager, events",
                 "wall": "eager, host wall-clock"}
