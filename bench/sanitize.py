@@ -45,7 +45,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-BACKENDS = ("tilelang", "triton")
+GPU_BACKENDS = ("tilelang", "triton")
 GATES = ("kda", "gdn")
 #: the exit status compute-sanitizer gives when its tool found an error (--error-exitcode); the child never uses it
 SANITIZER_ERROR_EXIT = 86
@@ -87,11 +87,11 @@ def pool_to(pool, device):
 
 
 def check_footprint(before, after, due_mask) -> list[str]:
-    """What is wrong with the flush's footprint: due programs get a new, finite checkpoint with codes in [-127, 127]
+    """What is wrong with the flush's footprint: due programs get a new, finite checkpoint with codes in [-QMAX, QMAX]
     and positive scales and a reset window (hcnt stays L); every other program stays bitwise untouched."""
     import torch
 
-    from leapquant.layout import L
+    from leapquant.layout import L, QMAX
     problems = []
     nd = ~due_mask
 
@@ -109,8 +109,8 @@ def check_footprint(before, after, due_mask) -> list[str]:
     for name in ("s_k", "s_v", "tokens"):
         if not torch.isfinite(getattr(after, name)[due_mask].float()).all():
             problems.append(f"{name} of a due program is not finite")
-    if (after.codes[due_mask].abs() > 127).any():
-        problems.append("a due program has a code outside [-127, 127]")
+    if (after.codes[due_mask].abs() > QMAX).any():
+        problems.append(f"a due program has a code outside [-{QMAX:g}, {QMAX:g}]")
     if (after.s_k[due_mask] <= 0).any() or (after.s_v[due_mask] <= 0).any():
         problems.append("a due program has a scale <= 0")
     if not (after.w[due_mask] == 0).all():
@@ -356,7 +356,7 @@ def load_previous(out: str) -> tuple[list[Result], list[dict], list[dict]]:
     return runs, data.get("warmup", []), data.get("headers", [])
 
 
-ORDER = {name: i for i, name in enumerate(TOOLS + BACKENDS + GATES)}
+ORDER = {name: i for i, name in enumerate(TOOLS + GPU_BACKENDS + GATES)}
 
 
 def write_outputs(out: str, args, results: list[Result], warm: list[dict], headers: list[dict],
@@ -402,7 +402,7 @@ def parse_args(argv=None):
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
-    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--backends", nargs="+", choices=GPU_BACKENDS, default=list(GPU_BACKENDS))
     ap.add_argument("--gates", nargs="+", choices=GATES, default=list(GATES))
     ap.add_argument("--out", help="folder for summary.md, summary.json and sanitize.log (required unless --dry-run)")
     ap.add_argument("--merge", action="store_true", help="keep the runs of an earlier invocation in --out")
@@ -427,7 +427,7 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     # the child
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--backend", choices=BACKENDS + ("reference",), help=argparse.SUPPRESS)
+    ap.add_argument("--backend", choices=GPU_BACKENDS + ("reference",), help=argparse.SUPPRESS)
     ap.add_argument("--gate", choices=GATES, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -31,7 +31,7 @@ import torch
 import leapquant as lq
 from leapquant.e2e import dense_step
 
-K = V = 128
+K, V = lq.K, lq.V                                          # the state's key and value sizes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -258,5 +258,5 @@ def backend_info(device: torch.device | str | None = None, num_heads: int = 32, 
     return dispatch.backend_info(device, num_heads=num_heads, gate=gate, num_rows=num_rows, op=op)
 
 
-__all__ = ["flush_inplace", "run", "run_gdn", "step_inplace", "step", "step_gdn", "warmup", "backend_info",
-           "versions", "device_description"]
+__all__ = ["flush_inplace", "run", "run_gdn", "step_inplace", "step", "step_gdn", "decode_inplace", "warmup",
+           "backend_info", "versions", "device_description"]

@@ -2,7 +2,8 @@
 
 * ``--op step``: ``leapquant.step_inplace`` of every row (every program stepping), with the window held at one fill
   count per row of the table (``--fill``, default ``1 15``: one live entry as the request's benchmark has it, and a
-  full window); the fill counts are restored before each timed call, outside its time. Memory bound: every program x
+  full window); every call finds its fill counts as set (restored between the rounds over the slot sets, outside
+  every call's time: ``bench_common.time_calls_kernel``). Memory bound: every program x
   ``step_program_bytes(gate)`` (SPEC section 7) at the copy bandwidth measured in the same run.
 * ``--op decode``: ``leapquant.decode_inplace`` (the step, then the flush of the windows it filled) at the steady state
   of serving: the fill counts staggered so that 1/16 of the programs are due in every call, as they are when each
@@ -25,11 +26,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .numerics import L
 from .bench_common import Row, _fmt, _one_line, _percentile, slot_sets, time_calls, time_calls_kernel, time_calls_wall
 
 #: what `leapquant bench --op` times (dispatch.OPS: what a backend serves; decode = step + the flush it makes due)
 BENCH_OPS = ("flush", "step", "decode")
-DEFAULT_FILLS = (1, 15)
+DEFAULT_FILLS = (1, L - 1)
 FLA_STATES = {"fla-fp32": "float32", "fla-bf16": "bfloat16"}
 
 

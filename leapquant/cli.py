@@ -222,7 +222,7 @@ def _demo_flush(args: argparse.Namespace, device, batch: int) -> bool:
             print(v.message)
     _table(hdr, lines)
     win_bytes = layout.WINDOW_HEAD_BYTES_KDA if gate == "kda" else layout.WINDOW_HEAD_BYTES_GDN
-    ck_b = layout.CHECKPOINT_HEAD_BYTES
+    ck_b = layout.CHECKPOINT_BYTES
     print(f"\nbytes per head: checkpoint {ck_b} + window {win_bytes} = {ck_b + win_bytes} "
           f"(fp32 state {layout.FP32_STATE_BYTES}: {layout.FP32_STATE_BYTES / (ck_b + win_bytes):.2f}x; "
           f"bf16 state {layout.BF16_STATE_BYTES}: {layout.BF16_STATE_BYTES / (ck_b + win_bytes):.2f}x)")

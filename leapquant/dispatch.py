@@ -208,11 +208,6 @@ def auto_order(pool: Pool, num_rows: int, op: str = "flush") -> list[str]:
     return perf_table.preferred(pool, num_rows) + ["reference"]
 
 
-def _auto_order(pool: Pool, num_rows: int, op: str) -> list[str]:
-    # the flush calls auto_order with its historical two arguments (tests replace it with two-argument stand-ins)
-    return auto_order(pool, num_rows) if op == "flush" else auto_order(pool, num_rows, op)
-
-
 def select(pool: Pool, num_rows: int, backend: str | None = None, op: str = "flush") -> Backend:
     """The backend that will run ``op`` (``"flush"``, the default, or ``"step"``) on ``num_rows`` rows of ``pool``."""
     _check_op(op)
@@ -226,22 +221,17 @@ def select(pool: Pool, num_rows: int, backend: str | None = None, op: str = "flu
     return chosen
 
 
-def _reasons(name: str, pool: Pool, op: str) -> list[str]:
-    # the flush calls reasons with its historical two arguments (tests replace it with two-argument stand-ins)
-    return reasons(name, pool) if op == "flush" else reasons(name, pool, op)
-
-
 def _resolve(pool: Pool, num_rows: int, name: str, op: str = "flush") -> Backend:
     what = "" if op == "flush" else f" the {op} op on"
     if name != "auto":
-        why = _reasons(name, pool, op)
+        why = reasons(name, pool, op)
         if why:
             raise BackendUnavailable(f"backend {name!r} was forced but cannot serve{what} {pool}:\n  - "
                                      + "\n  - ".join(why))
         return _REGISTRY[name]
     rejected: dict[str, list[str]] = {}
-    for cand in _auto_order(pool, num_rows, op):
-        why = _reasons(cand, pool, op)
+    for cand in auto_order(pool, num_rows, op):
+        why = reasons(cand, pool, op)
         if not why:
             _log_choice(pool, cand, rejected, op)
             return _REGISTRY[cand]
@@ -315,7 +305,7 @@ def backend_info(device: torch.device | str | None = None, num_heads: int = 32, 
     _check_op(op)
     device = torch.device(device) if device is not None else default_device()
     probe = Pool(2, num_heads, device=device, gate=gate)
-    order = _auto_order(probe, num_rows, op)
+    order = auto_order(probe, num_rows, op)
     rows = []
     for name in BACKENDS:
         package = _PACKAGES.get(name)
@@ -323,7 +313,7 @@ def backend_info(device: torch.device | str | None = None, num_heads: int = 32, 
             why = [f"{package} is not installed (pip install 'leapquant[{name}]')"]
             b = None
         else:
-            why = _reasons(name, probe, op)
+            why = reasons(name, probe, op)
             b = _REGISTRY.get(name)
         rows.append(dict(name=name, available=not why, reasons=why,
                          auto_rank=order.index(name) + 1 if name in order else None,

@@ -37,6 +37,12 @@ SK_BYTE = V * K                  #: byte offset of s_k (16384)
 SV_BYTE = SK_BYTE + 4 * K        #: byte offset of s_v (16896)
 TOK_BYTE = SV_BYTE + 4 * V       #: byte offset of the fp16 tokens (17408)
 CHECKPOINT_BYTES = TOK_BYTE + 2 * R * (K + V)  #: 19456
+SK_WORD = SK_BYTE // 4           #: s_k's offset in the region's fp32 words (s_v follows it: one run of K + V words)
+SV_WORD = SV_BYTE // 4           #: s_v's offset in fp32 words
+TOK_HALF = TOK_BYTE // 2         #: the tokens' offset in the region's fp16 halfwords
+TOK_ROW = K + V                  #: halfwords per token row: u[r, :K] | q[r, :V]
+#: every region starts on a multiple of this many fp32 words (OFF, the slot stride and the region size are)
+REGION_ALIGN_WORDS = math.gcd(OFF, REGION_WORDS)
 CHECKPOINT_WORDS = CHECKPOINT_BYTES // 4
 #: A pool's buffers start on a 16-byte boundary (the GPU kernels copy checkpoints and windows in 16-byte pieces): a
 #: fresh allocation does, and so must an engine's buffer carved out of a larger one. The exceptions are
@@ -155,8 +161,7 @@ def field_bytes(name: str) -> int:
     return math.prod(f.shape) * f.dtype.itemsize
 
 
-# bytes per (sequence, head), for the README, the demo and the memory bound
-CHECKPOINT_HEAD_BYTES = CHECKPOINT_BYTES
+# bytes per (sequence, head), for the README, the demo and the memory bound (the checkpoint's: CHECKPOINT_BYTES)
 WINDOW_HEAD_BYTES_KDA = sum(map(field_bytes, WINDOW_FIELDS["kda"]))
 WINDOW_HEAD_BYTES_GDN = sum(map(field_bytes, WINDOW_FIELDS["gdn"]))
 FP32_STATE_BYTES = 4 * V * K
@@ -344,10 +349,10 @@ class Pool:
     def _make_views(self) -> None:
         NS, H, SS, raw = self.num_slots, self.num_heads, self.slot_stride, self.raw
         self.codes = _view(raw, torch.int8, (NS, H, V, K), (4 * SS, 4 * REGION_WORDS, K, 1), 4 * OFF + CODES_BYTE)
-        self.s_k = _view(raw, torch.float32, (NS, H, K), (SS, REGION_WORDS, 1), OFF + SK_BYTE // 4)
-        self.s_v = _view(raw, torch.float32, (NS, H, V), (SS, REGION_WORDS, 1), OFF + SV_BYTE // 4)
+        self.s_k = _view(raw, torch.float32, (NS, H, K), (SS, REGION_WORDS, 1), OFF + SK_WORD)
+        self.s_v = _view(raw, torch.float32, (NS, H, V), (SS, REGION_WORDS, 1), OFF + SV_WORD)
         self.tokens = _view(raw, torch.float16, (NS, H, R, K + V), (2 * SS, 2 * REGION_WORDS, K + V, 1),
-                            2 * OFF + TOK_BYTE // 2)
+                            2 * OFF + TOK_HALF)
         self.checkpoint_words = _view(raw, torch.float32, (NS, H, CHECKPOINT_WORDS), (SS, REGION_WORDS, 1), OFF)
 
     @property

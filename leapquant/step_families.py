@@ -33,7 +33,7 @@ import torch
 
 from .families import (FP16_TINIEST, FP32_TINIEST, CaseTensors, _empty_window, _kda_gates, _low_rank_noise,
                        _random_checkpoint, check_draw)
-from .layout import CHECKPOINT_FIELDS, GATES, K, L, R, V, Pool
+from .layout import CHECKPOINT_FIELDS, K, L, R, V, Pool
 from .reference import compress, default_q0, rebuild, step_reference
 
 STEP_EDGE_FAMILIES = ("empty", "just_flushed", "full", "zero", "zero_state", "tiny", "huge", "decayed",

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+import leapquant
 from leapquant import bench, bench_common
 
 HEADS = 2
@@ -137,17 +138,18 @@ def test_no_refcheck_and_nothing_timed(tmp_path, capsys):
 
 
 def test_due_pattern_counts_and_spread():
+    L = leapquant.L                                                   # a full window's fill count
     pats, n = bench.due_pattern(8, 16, 32, "sixteenth", seed=0, device="cpu")
     assert n == 32 and len(pats) == 8
     for p in pats:
-        assert int((p == 16).sum()) == 32 and int(p.max()) == 16 and int(p.min()) >= 0
+        assert int((p == L).sum()) == 32 and int(p.max()) == L and int(p.min()) >= 0
     assert any(not torch.equal(pats[0], p) for p in pats[1:])       # a different placement in every set
-    rows_hit = (pats[0] == 16).sum(dim=1)
+    rows_hit = (pats[0] == L).sum(dim=1)
     assert int(rows_hit.max()) > int(rows_hit.min())                  # uneven across rows
     pats, n = bench.due_pattern(8, 4, 2, "none", seed=0, device="cpu")
-    assert n == 0 and all(int(p.max()) < 16 for p in pats)
+    assert n == 0 and all(int(p.max()) < L for p in pats)
     pats, n = bench.due_pattern(8, 4, 2, "all", seed=0, device="cpu")
-    assert n == 8 and all(bool((p == 16).all()) for p in pats)
+    assert n == 8 and all(bool((p == L).all()) for p in pats)
 
 
 def test_parser_mounts_as_subcommand():

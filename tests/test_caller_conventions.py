@@ -308,8 +308,8 @@ def test_fill_counts_stacked_per_layer(gate):
     q0 = lq.default_q0(DEVICE)
     for backend in STEP_BACKENDS:
         results = []
-        for given in ({}, layer1()):
-            pool = lq.Pool(NS, heads, gate=gate, device=DEVICE, **given)
+        for buffers in ({}, layer1()):
+            pool = lq.Pool(NS, heads, gate=gate, device=DEVICE, **buffers)
             pool.encode([1, 2], state)
             outs = [lq.decode_inplace(pool, idx, qkv[t], a[t], b[t], A_log.to(DEVICE), dt_bias.to(DEVICE), q0,
                                       backend=backend).clone() for t in range(L + 2)]
@@ -343,7 +343,7 @@ def test_the_remembered_choice_tells_loose_alignments_apart(monkeypatch):
     assert dispatch.select(aligned, 2, "tilelang").name == "tilelang"
     with pytest.raises(lq.BackendUnavailable, match="off the 16-byte boundary"):
         dispatch.select(shifted, 2, "tilelang")
-    monkeypatch.setattr(dispatch, "_auto_order", lambda pool, rows, op: ["tilelang", "reference"])
+    monkeypatch.setattr(dispatch, "auto_order", lambda pool, rows, op="flush": ["tilelang", "reference"])
     assert dispatch.select(aligned, 2).name == "tilelang"
     assert dispatch.select(shifted, 2).name == "reference"
 

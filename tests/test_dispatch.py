@@ -90,7 +90,7 @@ def test_per_call_override_beats_context_and_env(fake_tilelang):
 
 def test_auto_degrades_quietly_and_logs_once(fake_tilelang, monkeypatch, caplog):
     pool, idx, q0 = _pool()
-    monkeypatch.setattr(dispatch, "auto_order", lambda pool, n: ["tilelang", "reference"])
+    monkeypatch.setattr(dispatch, "auto_order", lambda pool, n, op="flush": ["tilelang", "reference"])
     monkeypatch.setattr(dispatch, "_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="leapquant"):
         assert dispatch.select(pool, 2, backend="auto").name == "reference"
@@ -103,7 +103,7 @@ def test_auto_degrades_quietly_and_logs_once(fake_tilelang, monkeypatch, caplog)
 
 def test_no_backend_left_lists_every_reason(fake_tilelang, monkeypatch):
     pool, _, _ = _pool()
-    monkeypatch.setattr(dispatch, "auto_order", lambda pool, n: ["tilelang"])
+    monkeypatch.setattr(dispatch, "auto_order", lambda pool, n, op="flush": ["tilelang"])
     with pytest.raises(lq.BackendUnavailable, match="(?s)no backend can serve.*tilelang: fake: no sm_90a here"):
         dispatch.select(pool, 2, backend="auto")
 
@@ -127,7 +127,7 @@ def test_choice_is_cached_per_geometry(monkeypatch):
     pool, _, _ = _pool()
     calls = []
     real = dispatch.reasons
-    monkeypatch.setattr(dispatch, "reasons", lambda name, p: calls.append(name) or real(name, p))
+    monkeypatch.setattr(dispatch, "reasons", lambda name, p, op="flush": calls.append(name) or real(name, p, op))
     for _ in range(3):
         assert dispatch.select(pool, 2, backend="reference").name == "reference"
     assert calls == ["reference"]

@@ -170,6 +170,9 @@ def test_zero_head_decodes_to_exact_zero():
 
 
 def test_pool_views_follow_the_byte_layout():
+    """The pool's views against the byte offsets of the spec's section 4, written as literals on purpose: an
+    independent check of layout.py's derived offsets (codes at 0, s_k at 16384, s_v at 16896, the fp16 tokens from
+    17408, a head's region 19456 bytes), not a second definition of them."""
     pool = lq.Pool(3, 2)
     base = 4 * (lq.OFF + 2 * pool.slot_stride + 1 * lq.V * lq.K)          # slot 2, head 1, in bytes
     raw8 = pool.raw.view(torch.uint8)

@@ -204,7 +204,8 @@ def test_grouped_key_heads_read_their_group():
 
 def test_gdn_gate_formulas():
     """GDN's scalar gate: g = -exp(A_log) softplus(a + dt_bias) (softplus = x past 20), p_new = p exp(g), the live
-    weights times exp(g), w[h] = 1, and the state p_new S_old + sum_{j<h} w_j exp(g) ubuf_j kbuf_j^T."""
+    weights times exp(g), w[h] = 1, and the state p_new S_old + sum_{j<h} w_j exp(g) ubuf_j kbuf_j^T. The spec's
+    numbers (the threshold 20) are written here as literals on purpose: an independent check of numerics.py."""
     case = sf.make_step_case(1, 4, "gdn", seed=2, families=["sim"])
     t = case.tensors
     x = t["a"].double() + t["dt_bias"].double()

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     x = torch.zeros(1, device=dev)
-    print(f"| part | us per call |\n| --- | --- |")
+    print("| part | us per call |\n| --- | --- |")
     print(f"| a tiny kernel (x.add_(1)) | {per_call_us(lambda: x.add_(1.0)):.1f} |")
     print(f"| torch.cuda.current_device() | {per_call_us(torch.cuda.current_device):.2f} |")
     print(f"| torch.cuda.is_current_stream_capturing() | {per_call_us(torch.cuda.is_current_stream_capturing):.2f} |")

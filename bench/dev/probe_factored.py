@@ -146,8 +146,8 @@ VARIANTS = {   # name: (products from the factored form, digits, U after Q's sec
 
 def main() -> None:
     seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    print(f"| variant | gate | worst score (family) | worst, non-tiny families | heads over 1 |\n"
-          f"| --- | --- | --- | --- | --- |")
+    print("| variant | gate | worst score (family) | worst, non-tiny families | heads over 1 |\n"
+          "| --- | --- | --- | --- | --- |")
     for name, (factored, n, u_after) in VARIANTS.items():
         for gate in ("kda", "gdn"):
             worst, worst_fam, worst_rest, over, heads = 0.0, "", 0.0, 0, 0

@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from leapquant.numerics import CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, K, R, V
+from leapquant.numerics import CHOLQR_ABS_FLOOR, CHOLQR_RELATIVE_FLOOR, FP16_MAX, K, R, V
 
 from probe_warpgroup_b import (_CODES_BYTE, _K, _L, _QMAX, _R, _SK_WORD, _SV_WORD,  # noqa: E402
                                _TOK_HALF, _TOK_ROW, _V, _RNI_ASM, CODES, CODES_SMEM, PLAIN2, WARPS, _mul,
@@ -33,6 +33,7 @@ from probe_warpgroup_b import (_CODES_BYTE, _K, _L, _QMAX, _R, _SK_WORD, _SV_WOR
 
 _REL_FLOOR = gl.constexpr(CHOLQR_RELATIVE_FLOOR)
 _ABS_FLOOR = gl.constexpr(CHOLQR_ABS_FLOOR)
+_FP16_MAX = gl.constexpr(FP16_MAX)
 _DIGIT_EXP = gl.constexpr(127 + 26)
 
 #: a 128-vector (a row or column index of the state per thread)
@@ -232,10 +233,10 @@ def warpgroup_a_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate
         e0, e1, e2, e3 = _st_x(cT_s, xd_s, c, g, s_v, q_rows, u_rows, ub_rows, kd_rows, q0n, q1n, q2n, q3n)
         # ---- the tokens: u = fp16(U^T) (clamped), q = fp16(Q^T) ----
         out = tok_out_ptr + pid * (_R * _TOK_ROW)
-        for r in gl.static_range(4):
+        for r in gl.static_range(_R):
             er = e0 if r == 0 else (e1 if r == 1 else (e2 if r == 2 else e3))
             qr = q0n if r == 0 else (q1n if r == 1 else (q2n if r == 2 else q3n))
-            gl.store(out + r * _TOK_ROW + t, gl.minimum(gl.maximum(er, -65504.0), 65504.0).to(gl.float16))
+            gl.store(out + r * _TOK_ROW + t, gl.minimum(gl.maximum(er, -_FP16_MAX), _FP16_MAX).to(gl.float16))
             gl.store(out + r * _TOK_ROW + _K + t, qr.to(gl.float16))
 
 

@@ -29,7 +29,7 @@ def sanitize():
 def test_dry_run_lists_every_run(sanitize, capsys):
     assert sanitize.main(["--dry-run", "--sanitizer", sys.executable]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
-    assert len(lines) == len(sanitize.TOOLS) * len(sanitize.BACKENDS) * len(sanitize.GATES)
+    assert len(lines) == len(sanitize.TOOLS) * len(sanitize.GPU_BACKENDS) * len(sanitize.GATES)
     for tool in sanitize.TOOLS:
         mine = [ln for ln in lines if f"--tool {tool} " in ln]
         assert len(mine) == 4

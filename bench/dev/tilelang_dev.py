@@ -141,7 +141,7 @@ def _timing_pool(batch, gate, due):
     """A pool of 8 disjoint slot sets of ``batch`` rows x 32 heads filled with in-domain noise, the sets' idx
     tensors, and the kernel call for one set (everything the phase and A/B timings share)."""
     from leapquant.bench import due_pattern
-    from leapquant.layout import Pool
+    from leapquant.layout import QMAX, Pool
     from leapquant.reference import default_q0
     from leapquant.tilelang import _call_args, config_for
     dev = torch.device("cuda")
@@ -152,7 +152,7 @@ def _timing_pool(batch, gate, due):
     pool.s_k.copy_(torch.rand(pool.s_k.shape, generator=g).add_(0.1).to(dev))
     pool.s_v.copy_(torch.rand(pool.s_v.shape, generator=g).add_(0.1).to(dev))
     pool.tokens.copy_((0.1 * torch.randn(pool.tokens.shape, generator=g)).to(dev, torch.float16))
-    pool.codes.copy_(torch.randint(-127, 128, pool.codes.shape, generator=g, dtype=torch.int8).to(dev))
+    pool.codes.copy_(torch.randint(-int(QMAX), int(QMAX) + 1, pool.codes.shape, generator=g, dtype=torch.int8).to(dev))
     pool.kbuf.copy_(torch.randn(pool.kbuf.shape, generator=g).to(dev, torch.bfloat16))
     pool.ubuf.copy_(torch.randn(pool.ubuf.shape, generator=g).to(dev, torch.bfloat16))
     q0 = default_q0(dev)

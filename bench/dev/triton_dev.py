@@ -34,7 +34,7 @@ import torch
 
 import leapquant as lq
 from leapquant import criterion, families
-from leapquant.layout import L, Pool, due_program_bytes
+from leapquant.layout import L, QMAX, Pool, due_program_bytes
 from leapquant.triton import launch
 
 
@@ -111,7 +111,7 @@ def copy_bandwidth() -> float:
 def fill(pool: Pool, g: torch.Generator) -> None:
     """Valid random checkpoints and windows (never zeros: they can hide unwritten outputs and run faster)."""
     dev = pool.device
-    pool.codes.copy_(torch.randint(-127, 128, pool.codes.shape, dtype=torch.int8, device=dev))
+    pool.codes.copy_(torch.randint(-int(QMAX), int(QMAX) + 1, pool.codes.shape, dtype=torch.int8, device=dev))
     pool.s_k.uniform_(1e-3, 1.0)
     pool.s_v.uniform_(1e-3, 1.0)
     pool.tokens.copy_(0.1 * torch.randn(pool.tokens.shape, device=dev))

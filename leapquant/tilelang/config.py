@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import ALIGN_BYTES, CHECKPOINT_BYTES, GATES, CHECKPOINT_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
+from ..layout import (ALIGN_BYTES, CHECKPOINT_BYTES, CHECKPOINT_WORDS, GATES, SK_WORD, SV_WORD, TOK_BYTE, TOK_HALF,
+                      TOK_ROW)  # noqa: F401  (SK_WORD, SV_WORD, TOK_HALF: for the phase modules)
 from ..numerics import K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, V
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
@@ -101,10 +102,6 @@ WORD_BYTES, HALVES_PER_WORD = 4, 2      # the fp32 / int32 views count words, th
 CHUNK_WORDS = ALIGN_BYTES // WORD_BYTES     # 4: 32-bit words per 16-byte chunk
 CHUNK_HALVES = ALIGN_BYTES // 2         # 8: 16-bit values per 16-byte chunk (the reset's stores, the copies)
 WINDOW_CHUNKS = L * K // CHUNK_HALVES   # 256 such chunks in an [L, 128] 16-bit window tensor (kbuf, ubuf, gbuf)
-SK_WORD = SK_BYTE // WORD_BYTES
-SV_WORD = SV_BYTE // WORD_BYTES
-TOK_HALF = TOK_BYTE // 2
-TOK_ROW = K + V                         # halfwords per token row (u[r] | q[r])
 CODES_PER_WORD = WORD_BYTES             # int8 codes read and written as int32 words
 CODE_WORDS_PER_ROW = K // CODES_PER_WORD
 TILE_WORDS = TILE // CODES_PER_WORD     # 2: the code words of one row of a thread's tile

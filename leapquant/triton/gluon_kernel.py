@@ -45,7 +45,6 @@ the kernel: docs/design-triton.md.
 """
 # (no ``from __future__ import annotations``: the aggregates' field annotations must be real types, which Triton
 # checks each field's value against)
-import math
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # Gluon's named aggregates (Triton 3.6 exports no public name for them; Gluon's own modules import this one)
 from triton.language.core import _aggregate as aggregate
 
-from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
+from ..layout import CODES_BYTE, OFF, REGION_ALIGN_WORDS, REGION_WORDS, SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
 from ..numerics import EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC, K, L, R, V
 from .cholesky import cholesky4
 
@@ -69,17 +68,17 @@ _L = gl.constexpr(L)
 _R = gl.constexpr(R)
 #: the rank-4 tokens padded to the k = 16 of an fp16 mma (the padding ranks are zeros, so they add exact zeros)
 _RPAD = gl.constexpr(16)
-_TOK_ROW = gl.constexpr(K + V)              # fp16 words per token row (u[r, :K] | q[r, :V])
+_TOK_ROW = gl.constexpr(TOK_ROW)
 _QMAX = gl.constexpr(float(QMAX))
 _EPS = gl.constexpr(EPS)
 _FP16_MAX = gl.constexpr(FP16_MAX)
 _OFF = gl.constexpr(OFF)
 _REGION_WORDS = gl.constexpr(REGION_WORDS)
 _CODES_BYTE = gl.constexpr(CODES_BYTE)
-_SK_WORD = gl.constexpr(SK_BYTE // 4)       # s_k, then s_v right after it: one copy of K + V words
-_TOK_HALF = gl.constexpr(TOK_BYTE // 2)
-_ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))   # every region starts on a multiple of this many words
-assert SV_BYTE == SK_BYTE + 4 * K
+_SK_WORD = gl.constexpr(SK_WORD)            # s_k, then s_v right after it: one copy of K + V words
+_TOK_HALF = gl.constexpr(TOK_HALF)
+_ALIGN = gl.constexpr(REGION_ALIGN_WORDS)
+assert SV_WORD == SK_WORD + K
 #: CholeskyQR pivot floors and passes, and the rounding constant: leapquant.numerics (shared by every kernel)
 _P_PASSES = gl.constexpr(P_CHOLQR_PASSES)
 _Q_PASSES = gl.constexpr(Q_CHOLQR_PASSES)

@@ -25,17 +25,16 @@ and that no load waits for the window's fill count:
 
 Every value is fp32 but phase (5)'s operands: the int8 products and their int32 sums are exact, and the digits keep
 each xk and xq to half a unit, at most 2^-27 of the largest (fp32 itself keeps 2^-24 of each value), so the codes' sums equal the
-portable kernel's to about fp32 rounding (the fp16 hi + lo split the tensor cores took before kept 22 bits, and cost
-two byte permutes and two half-precision subtractions per four codes).
+portable kernel's to about fp32 rounding (an fp16 hi + lo split of X on the tensor cores keeps 22 bits, and costs two
+byte permutes and two half-precision subtractions per four codes: docs/design-triton.md, the step's variants).
 """
 # (no ``from __future__ import annotations``: Gluon reads the annotations of its constexpr parameters)
-import math
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
+from ..layout import CODES_BYTE, OFF, REGION_ALIGN_WORDS, REGION_WORDS, SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
 from ..numerics import K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
 
 assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are written for a 128 x 128 state"
@@ -52,15 +51,15 @@ _V = gl.constexpr(V)
 _K = gl.constexpr(K)
 _L = gl.constexpr(L)
 _R = gl.constexpr(R)
-_TOK_ROW = gl.constexpr(K + V)
+_TOK_ROW = gl.constexpr(TOK_ROW)
 _QMAX = gl.constexpr(float(QMAX))
 _OFF = gl.constexpr(OFF)
 _REGION_WORDS = gl.constexpr(REGION_WORDS)
 _CODES_BYTE = gl.constexpr(CODES_BYTE)
-_SK_WORD = gl.constexpr(SK_BYTE // 4)
-_SV_WORD = gl.constexpr(SV_BYTE // 4)
-_TOK_HALF = gl.constexpr(TOK_BYTE // 2)
-_ALIGN = gl.constexpr(math.gcd(OFF, REGION_WORDS))
+_SK_WORD = gl.constexpr(SK_WORD)
+_SV_WORD = gl.constexpr(SV_WORD)
+_TOK_HALF = gl.constexpr(TOK_HALF)
+_ALIGN = gl.constexpr(REGION_ALIGN_WORDS)
 _NORM_EPS = gl.constexpr(NORM_EPS)
 _SP_THRESHOLD = gl.constexpr(SOFTPLUS_THRESHOLD)
 _INV_SQRT_K = gl.constexpr(K ** -0.5)

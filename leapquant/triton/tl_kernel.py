@@ -24,13 +24,12 @@ the codes are converted with fp32 and integer arithmetic only (no libdevice, whi
 """
 from __future__ import annotations
 
-import math
 import os
 
 import triton
 import triton.language as tl
 
-from ..layout import CODES_BYTE, OFF, REGION_WORDS, SK_BYTE, SV_BYTE, TOK_BYTE
+from ..layout import CODES_BYTE, OFF, REGION_ALIGN_WORDS, REGION_WORDS, SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
 from ..numerics import (CODE_BIAS, CODE_BIAS_BITS, EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC,
                         K, L, R, V)
 from .cholesky import cholesky4
@@ -55,7 +54,7 @@ _V = _const(V)
 _K = _const(K)
 _L = _const(L)
 _R = _const(R)
-_TOK_ROW = _const(K + V)                        # fp16 words per token row (u[r, :K] | q[r, :V])
+_TOK_ROW = _const(TOK_ROW)
 _QMAX = _const(float(QMAX))
 _EPS = _const(EPS)
 _FP16_MAX = _const(FP16_MAX)
@@ -65,9 +64,9 @@ _Q_PASSES = _const(Q_CHOLQR_PASSES)
 _OFF = _const(OFF)
 _REGION_WORDS = _const(REGION_WORDS)
 _CODES_BYTE = _const(CODES_BYTE)
-_SK_WORD = _const(SK_BYTE // 4)
-_SV_WORD = _const(SV_BYTE // 4)
-_TOK_HALF = _const(TOK_BYTE // 2)
+_SK_WORD = _const(SK_WORD)
+_SV_WORD = _const(SV_WORD)
+_TOK_HALF = _const(TOK_HALF)
 #: rounding to the nearest code without a rounding or conversion instruction: leapquant.numerics.RINT_MAGIC
 _RINT_MAGIC = _const(RINT_MAGIC)
 #: a code byte b (unsigned view) as a float, exactly: (b ^ 0x80) is code + 128 in 0..255 (leapquant.numerics.CODE_BIAS)
@@ -75,8 +74,7 @@ _CODE_BIAS_BITS = _const(CODE_BIAS_BITS)
 _CODE_SIGN = _const(0x80)
 _CODE_OFFSET = _const(CODE_BIAS)
 _BYTE = _const(0xFF)
-#: every region starts on a multiple of this many fp32 words (OFF, the slot stride and the region size are)
-_ALIGN = _const(math.gcd(OFF, REGION_WORDS))
+_ALIGN = _const(REGION_ALIGN_WORDS)
 
 
 # ---- ranking: each persistent program finds its own due programs -------------------------------------------------
