@@ -49,12 +49,11 @@ the kernel: docs/design-triton.md.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-# Gluon's named aggregates (Triton 3.6 exports no public name for them; Gluon's own modules import this one)
-from triton.language.core import _aggregate as aggregate
 
 from ..layout import CODES_BYTE, OFF, REGION_ALIGN_WORDS, REGION_WORDS, SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
 from ..numerics import EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC, K, L, R, V
 from .cholesky import cholesky4
+from .gluon_pool import PoolRefs, aggregate
 
 assert R == 4 and V == 128 and K == 128 and L == 16, "the layouts below are written for a 128 x 128 state"
 
@@ -311,34 +310,33 @@ def _region(code, H, SS):
 
 
 @gluon.jit
-def _stage_inputs(staged, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code, valid, H,
-                  SS, IS_KDA: gl.constexpr):
+def _stage_inputs(staged, pool, code, valid, H, IS_KDA: gl.constexpr):
     """Start copying item ``code``'s old checkpoint, window and gate into ``staged`` (:class:`StagedInputs`; cp.async,
     one commit group; 16-byte pieces where the data allows). Nothing is read where ``valid`` is false."""
-    region, prog = _region(code, H, SS)
+    region, prog = _region(code, H, pool.slot_stride)
     cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
     ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
     async_copy.async_copy_global_to_shared(staged.codes,
-                                           raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :],
+                                           pool.raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :],
                                            mask=valid)
     async_copy.async_copy_global_to_shared(staged.scales,
-                                           raw_f32 + region + _SK_WORD + gl.arange(0, _K + _V, layout=WORDS),
+                                           pool.raw_f32 + region + _SK_WORD + gl.arange(0, _K + _V, layout=WORDS),
                                            mask=valid)
     # the token rows into rows 0..7 of the swizzled token buffer (whose rows split only at multiples of 8): ranks
     # R..7 masked, i.e. zero-filled by the copy itself
     tr = gl.arange(0, 2 * _R, layout=gl.SliceLayout(1, TOKENS))
     tc = gl.arange(0, _TOK_ROW, layout=gl.SliceLayout(0, TOKENS))
-    async_copy.async_copy_global_to_shared(staged.tokens.slice(0, 2 * _R), raw_f16 + region * 2 + _TOK_HALF
+    async_copy.async_copy_global_to_shared(staged.tokens.slice(0, 2 * _R), pool.raw_f16 + region * 2 + _TOK_HALF
                                            + tr[:, None] * _TOK_ROW + tc[None, :], mask=valid & (tr[:, None] < _R))
     wl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
     wk = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
     window = gl.multiple_of(prog * (_L * _K), _L * _K) + wl[:, None] * _K + wk[None, :]
-    async_copy.async_copy_global_to_shared(staged.kbuf, kbuf_ptr + window, mask=valid)
-    async_copy.async_copy_global_to_shared(staged.ubuf, ubuf_ptr + window, mask=valid)
-    async_copy.async_copy_global_to_shared(staged.w, w_ptr + prog * _L + gl.arange(0, _L, layout=WORDS), mask=valid)
+    async_copy.async_copy_global_to_shared(staged.kbuf, pool.kbuf + window, mask=valid)
+    async_copy.async_copy_global_to_shared(staged.ubuf, pool.ubuf + window, mask=valid)
+    async_copy.async_copy_global_to_shared(staged.w, pool.w + prog * _L + gl.arange(0, _L, layout=WORDS), mask=valid)
     if IS_KDA:
-        async_copy.async_copy_global_to_shared(staged.gbuf, gbuf_ptr + window, mask=valid)
-        async_copy.async_copy_global_to_shared(staged.pcum, gate_ptr + prog * _K + gl.arange(0, _K, layout=WORDS),
+        async_copy.async_copy_global_to_shared(staged.gbuf, pool.gbuf + window, mask=valid)
+        async_copy.async_copy_global_to_shared(staged.pcum, pool.gate + prog * _K + gl.arange(0, _K, layout=WORDS),
                                                mask=valid)
     async_copy.commit_group()
 
@@ -690,52 +688,51 @@ def _scale_v_and_codes(x, rowmax):
 
 
 @gluon.jit
-def _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region, prog, valid,
-                           IS_KDA: gl.constexpr):
+def _store_codes_and_reset(s_v, codes, pool, region, prog, valid, IS_KDA: gl.constexpr):
     """s_v and the codes to the pool region, the codes as 16-byte vectors after one exchange through shared memory
     (the state layout's 2-byte pieces were 32 stores per thread, and the store queue throttled the end of every
     item); then the window reset (hcnt stays L: "flushed, empty"). Nothing is written where ``valid`` is false."""
-    gl.store(raw_f32 + region + _SK_WORD + _K + gl.arange(0, _V, layout=STATE_ROWS), s_v, mask=valid)
+    gl.store(pool.raw_f32 + region + _SK_WORD + _K + gl.arange(0, _V, layout=STATE_ROWS), s_v, mask=valid)
     codes = gl.convert_layout(codes, BYTES)
     cv = gl.arange(0, _V, layout=gl.SliceLayout(1, BYTES))
     ck = gl.arange(0, _K, layout=gl.SliceLayout(0, BYTES))
-    gl.store(raw_u8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :], codes, mask=valid)
+    gl.store(pool.raw_u8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + ck[None, :], codes, mask=valid)
     # (8) window reset
-    gl.store(w_ptr + prog * _L + gl.arange(0, _L, layout=WORDS), gl.zeros([_L], gl.float32, layout=WORDS),
+    gl.store(pool.w + prog * _L + gl.arange(0, _L, layout=WORDS), gl.zeros([_L], gl.float32, layout=WORDS),
              mask=valid)
     if IS_KDA:
-        gl.store(gate_ptr + prog * _K + gl.arange(0, _K, layout=WORDS), gl.zeros([_K], gl.float32, layout=WORDS),
+        gl.store(pool.gate + prog * _K + gl.arange(0, _K, layout=WORDS), gl.zeros([_K], gl.float32, layout=WORDS),
                  mask=valid)
         rl = gl.arange(0, _L, layout=gl.SliceLayout(1, HALVES))
         rh = gl.arange(0, _K, layout=gl.SliceLayout(0, HALVES))
-        gl.store(gbuf_ptr + prog * (_L * _K) + rl[:, None] * _K + rh[None, :],
+        gl.store(pool.gbuf + prog * (_L * _K) + rl[:, None] * _K + rh[None, :],
                  gl.full([_L, _K], 1.0, gl.float16, layout=HALVES), mask=valid)
     else:
-        gl.store(gate_ptr + prog, 1.0, mask=valid)
+        gl.store(pool.gate + prog, 1.0, mask=valid)
 
 
 @gluon.jit
-def _flush_tail(E, xb, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, code, H, SS, IS_KDA: gl.constexpr):
+def _flush_tail(E, xb, pool, code, H, IS_KDA: gl.constexpr):
     """The last item's tail on its own (its column partials already written by :func:`_flush_item`); ``xb``:
     :class:`ExchangeBuffers`; ``code``: the item's code as :func:`_flush_item` returns it (flagged: nothing is
     stored)."""
-    region, prog = _region(code & (_EMPTY_FLAG - 1), H, SS)
+    region, prog = _region(code & (_EMPTY_FLAG - 1), H, pool.slot_stride)
     live = code < _EMPTY_FLAG
     gl.thread_barrier()
     xb.kvec.store(gl.sum(xb.colsum1.load(COLSUM_PARTS), 0))
     gl.thread_barrier()
-    x = _scale_k(E, xb.kvec.load(STATE_COLS), xb.rowsum1, raw_f32 + region + _SK_WORD, live)
+    x = _scale_k(E, xb.kvec.load(STATE_COLS), xb.rowsum1, pool.raw_f32 + region + _SK_WORD, live)
     gl.thread_barrier()
     xb.vvec.store(gl.max(xb.rowsum1.load(ROWSUM_PARTS), 1))
     gl.thread_barrier()
     s_v, codes = _scale_v_and_codes(x, xb.vvec.load(STATE_ROWS))
-    _store_codes_and_reset(s_v, codes, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region, prog, live, IS_KDA)
+    _store_codes_and_reset(s_v, codes, pool, region, prog, live, IS_KDA)
 
 
 # ---- one item, phase by phase, beside the previous item's tail ---------------------------------------------------
 @gluon.jit
-def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
-                gbuf_ptr, code, code_next, has_next, E_prev, code_prev, has_prev, H, SS, IS_KDA: gl.constexpr):
+def _flush_item(staged, xb, new_s, q0_s, pool, code, code_next, has_next, E_prev, code_prev, has_prev, H,
+                IS_KDA: gl.constexpr):
     """Flush item ``code`` (its inputs already in ``staged``, :class:`StagedInputs`) up to its residual E [V, K]
     (STATE), returned with the partials of its first scale written (the next call or :func:`_flush_tail` finishes
     it), and start copying ``code_next``'s inputs as soon as the buffers are read. Also returned: ``code``, with
@@ -746,11 +743,11 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     :class:`ExchangeBuffers`), and each one's exchanges and reductions fill the other's waits - one 8-warp program
     per SM has no other warps to hide them (measured 6.0 % faster all due for KDA, 6.6 % for GDN at batch 256 on the
     H200 than the same loop without the overlap; docs/design-triton.md)."""
-    region_prev, prog_prev = _region(code_prev & (_EMPTY_FLAG - 1), H, SS)
+    region_prev, prog_prev = _region(code_prev & (_EMPTY_FLAG - 1), H, pool.slot_stride)
     if IS_KDA:
         p = 1.0                                 # (GDN's gate; KDA's is pcum, staged)
     else:
-        p = gl.load(gate_ptr + code)            # (an item's code is its row of the window tensors)
+        p = gl.load(pool.gate + code)            # (an item's code is its row of the window tensors)
     # an empty window (every w_j = 0, no decay) is not flushed: the item computes as any other (every warp passes the
     # same barriers) and its stores are masked
     _window_live(staged, p, xb.live, IS_KDA)
@@ -761,15 +758,14 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     S = _rebuild(staged, xb.keys_hi, xb.keys_lo, p, IS_KDA)
     xb.kvec.store(gl.sum(part, 0))
     gl.thread_barrier()
-    _stage_inputs(staged, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code_next,
-                  has_next, H, SS, IS_KDA)
+    _stage_inputs(staged, pool, code_next, has_next, H, IS_KDA)
 
     # (2) project, (3) orthonormalise: one subspace iteration from q0, P = orth(S^T q0), Q = orth(S P), U = S^T Q
     #     | previous: (6) s_k, x = E / s_k, the row maxima of |x|, s_v and (7) the codes, (8) its window reset
     colsum = xb.kvec.load(STATE_COLS)
     _project_t_partials(S, q0_s.slice(0, _V).load(STATE_ROWS), q0_s.slice(_V, _V).load(STATE_ROWS),
                         q0_s.slice(2 * _V, _V).load(STATE_ROWS), q0_s.slice(3 * _V, _V).load(STATE_ROWS), xb.colsum4)
-    x_prev = _scale_k(E_prev, colsum, xb.rowsum1, raw_f32 + region_prev + _SK_WORD, has_prev)
+    x_prev = _scale_k(E_prev, colsum, xb.rowsum1, pool.raw_f32 + region_prev + _SK_WORD, has_prev)
     gl.thread_barrier()
     four = xb.colsum4.load(COLSUM_PARTS4)
     part = xb.rowsum1.load(ROWSUM_PARTS)
@@ -790,8 +786,7 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
     c0, c1, c2, c3 = _orthonormalise(c0, c1, c2, c3, _Q_PASSES)     # (a latency chain: the codes' arithmetic fills it)
     s_v_prev, codes_prev = _scale_v_and_codes(x_prev, rowmax)
     _put4(c0, c1, c2, c3, xb.to_rows4)
-    _store_codes_and_reset(s_v_prev, codes_prev, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, region_prev, prog_prev,
-                           has_prev, IS_KDA)
+    _store_codes_and_reset(s_v_prev, codes_prev, pool, region_prev, prog_prev, has_prev, IS_KDA)
     gl.thread_barrier()
     r0, r1, r2, r3 = _spread_get(xb.to_rows4, STATE_ROWS)
     _project_t_partials(S, r0, r1, r2, r3, xb.colsum4)
@@ -802,8 +797,8 @@ def _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_
 
     # (4) tokens; (5) residual, with exactly the stored tokens (read back from shared memory after a barrier)
     live = _window_flag(xb.live)
-    region, _ = _region(code, H, SS)
-    _store_tokens(raw_f16 + region * 2 + _TOK_HALF, new_s, gl.join(gl.join(U0, U1), gl.join(U2, U3)),
+    region, _ = _region(code, H, pool.slot_stride)
+    _store_tokens(pool.raw_f16 + region * 2 + _TOK_HALF, new_s, gl.join(gl.join(U0, U1), gl.join(U2, U3)),
                   gl.join(gl.join(c0, c1), gl.join(c2, c3)), live)
     gl.thread_barrier()
     E = _residual(S, new_s)
@@ -851,13 +846,13 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
                          gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
                          gl.allocate_shared_memory(gl.bfloat16, [_K, _L], KEYS_SMEM),
                          gl.allocate_shared_memory(gl.int32, [1], PLAIN1_SMEM))
-    raw_i8 = raw_u8.to(gl.pointer_type(gl.int8))
+    pool = PoolRefs(raw_f32, raw_u8, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr,
+                    gbuf_ptr, hcnt_ptr, SS)
 
     t = pid
     if t < total:                                # (a program without items exits after the ranking)
         code = gl.load(due_ptr + t).to(gl.int64)
-        _stage_inputs(staged, raw_f32, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, code,
-                      t < total, H, SS, IS_KDA)
+        _stage_inputs(staged, pool, code, t < total, H, IS_KDA)
         # while the first copies fly: the zero padding and q0
         staged.tokens.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
         new_s.slice(2 * _R, 2 * _R).store(gl.zeros([2 * _R, _TOK_ROW], gl.float16, layout=TOKENS))
@@ -874,11 +869,10 @@ def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbu
             code_next = gl.load(due_ptr + t_next, mask=t_next < total, other=0).to(gl.int64)
             async_copy.wait_group(0)
             gl.thread_barrier()                  # this item's copies (every thread's) landed and are visible
-            E, kept = _flush_item(staged, xb, new_s, q0_s, raw_f32, raw_u8, raw_f16, raw_i8, kbuf_ptr, ubuf_ptr,
-                                  w_ptr, gate_ptr, gbuf_ptr, code, code_next, t_next < total, E, code_prev, t > pid,
-                                  H, SS, IS_KDA)
+            E, kept = _flush_item(staged, xb, new_s, q0_s, pool, code, code_next, t_next < total, E, code_prev, t > pid,
+                                  H, IS_KDA)
             if t_next >= total:                  # the last item's tail now, with nothing beside it
-                _flush_tail(E, xb, raw_f32, raw_u8, w_ptr, gate_ptr, gbuf_ptr, kept, H, SS, IS_KDA)
+                _flush_tail(E, xb, pool, kept, H, IS_KDA)
             code_prev = kept                     # (flagged where its window was empty: its tail stores nothing)
             code = code_next
             t = t_next

@@ -24,9 +24,10 @@ and that no load waits for the window's fill count:
                     q_old^T (u_old kn) inside the thread, the codes' sums read back, then u_new, o and the stores
 
 Every value is fp32 but phase (5)'s operands: the int8 products and their int32 sums are exact, and the digits keep
-each xk and xq to half a unit, at most 2^-27 of the largest (fp32 itself keeps 2^-24 of each value), so the codes' sums equal the
-portable kernel's to about fp32 rounding (an fp16 hi + lo split of X on the tensor cores keeps 22 bits, and costs two
-byte permutes and two half-precision subtractions per four codes: docs/design-triton.md, the step's variants).
+each xk and xq to half a unit, at most 2^-27 of the largest (fp32 itself keeps 2^-24 of each value), so the codes' sums
+equal the portable kernel's to about fp32 rounding (an fp16 hi + lo split of X on the tensor cores keeps 22 bits, and
+costs two byte permutes and two half-precision subtractions per four codes: docs/design-triton.md, the step's
+variants).
 """
 # (no ``from __future__ import annotations``: Gluon reads the annotations of its constexpr parameters)
 
@@ -36,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ..layout import CODES_BYTE, OFF, REGION_ALIGN_WORDS, REGION_WORDS, SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
 from ..numerics import K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
+from .gluon_pool import PoolRefs, aggregate
 
 assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are written for a 128 x 128 state"
 
@@ -65,7 +67,8 @@ _SP_THRESHOLD = gl.constexpr(SOFTPLUS_THRESHOLD)
 _INV_SQRT_K = gl.constexpr(K ** -0.5)
 _KSTEP = gl.constexpr(64)                   #: channels per step of phase (5): two k = 32 int8 mma steps
 #: _digits scales the largest magnitude into [2^26, 2^27): four signed base-2^7 digits hold it, and every value keeps
-#: its bits down to half a unit (at most 2^-27 of that magnitude); the scale is 2^(_DIGIT_EXP - that magnitude's biased exponent)
+#: its bits down to half a unit (at most 2^-27 of that magnitude); the scale is 2^(_DIGIT_EXP - that magnitude's
+#: biased exponent)
 _DIGIT_EXP = gl.constexpr(127 + 26)
 
 # ---- layouts (4 warps) -------------------------------------------------------------------------------------------
@@ -167,46 +170,86 @@ def _digits(x):
     return d0.to(gl.int8), d1.to(gl.int8), d2.to(gl.int8), d3.to(gl.int8), unit
 
 
+@aggregate
+class StepScratch:
+    """A program's shared memory: the codes [V, K] int8 (CODES_SMEM), X's digits [8, K] int8, and the codes' row
+    sums with kn and with qn [V] fp32."""
+    codes: gl.shared_memory_descriptor
+    x: gl.shared_memory_descriptor
+    sums_k: gl.shared_memory_descriptor
+    sums_q: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, codes, x, sums_k, sums_q):
+        self.codes = codes
+        self.x = x
+        self.sums_k = sums_k
+        self.sums_q = sums_q
+
+
+@aggregate
+class StepToken:
+    """This row's token as a program holds it: kx, qx a channel per thread (KVEC) and as 16-channel copies
+    (CODE_COLS), vx a state row per thread (VVEC), the gate's a (KDA: KVEC; GDN: a scalar) and beta's b (bf16)."""
+    kx: gl.tensor
+    qx: gl.tensor
+    kx_c: gl.tensor
+    qx_c: gl.tensor
+    vx: gl.tensor
+    ax: gl.tensor
+    bx: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, kx, qx, kx_c, qx_c, vx, ax, bx):
+        self.kx = kx
+        self.qx = qx
+        self.kx_c = kx_c
+        self.qx_c = qx_c
+        self.vx = vx
+        self.ax = ax
+        self.bx = bx
+
+
 @gluon.jit
-def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr,
-                  hcnt_ptr, A_log_ptr, dt_ptr, out_ptr, kx, qx, kx_c, qx_c, vx, ax, bx, row, head, slot, SS,
-                  H: gl.constexpr,
+def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, slot, H: gl.constexpr,
                   IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr):
+    kx, qx, kx_c, qx_c, vx, ax, bx = token.kx, token.qx, token.kx_c, token.qx_c, token.vx, token.ax, token.bx
     prog = slot * H + head
-    region = gl.multiple_of(_OFF + slot * SS + head * _REGION_WORDS, _ALIGN)
+    region = gl.multiple_of(_OFF + slot * pool.slot_stride + head * _REGION_WORDS, _ALIGN)
 
     # ---- (0) the codes into shared memory ----
     cv = gl.arange(0, _V, layout=gl.SliceLayout(1, CODES))
     cc = gl.arange(0, _K, layout=gl.SliceLayout(0, CODES))
-    async_copy.async_copy_global_to_shared(codes_s, raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + cc[None, :])
+    async_copy.async_copy_global_to_shared(scratch.codes,
+                                           pool.raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + cc[None, :])
     async_copy.commit_group()
 
     # ---- (1) every other load of the program, none waiting for the fill count: the whole window is read and its
     # entries past the fill count are selected away after the sums (the window's bytes are in the bound either way;
     # loads masked by h make the fill count a memory trip on every program's chain: the design note's variants,
     # GDN 120.4 -> 80.0 us at batch 256) ----
-    hc = gl.load(hcnt_ptr + prog)
+    hc = gl.load(pool.hcnt + prog)
     kk = gl.arange(0, _K, layout=KVEC)
     vr = gl.arange(0, _V, layout=VVEC)
-    kb = kbuf_ptr + prog * (_L * _K)
-    ub = ubuf_ptr + prog * (_L * _V)
-    wp = w_ptr + prog * _L
+    kb = pool.kbuf + prog * (_L * _K)
+    ub = pool.ubuf + prog * (_L * _V)
+    wp = pool.w + prog * _L
     # window tiles hold entry j = L - 1 - r in row r, so that D_j's product over the later entries is a forward scan
     # (Triton lowers a reverse scan by reversing the lanes: 5 shuffles per value, 140 shuffles in all)
     jc = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, CODES))   # the entry of each CODES row
     jv = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(0, VROW))    # ... of each VROW column
     kwin = gl.load(kb + jc[:, None] * _K + cc[None, :])                 # bf16 [L, K], 16 channels of an entry
     w_old = gl.load(wp + jc)                                            # [L], a thread's own entry
-    tok = raw_f16 + region * 2 + _TOK_HALF
+    tok = pool.raw_f16 + region * 2 + _TOK_HALF
     rr = gl.arange(0, _R, layout=gl.SliceLayout(1, CODES))
     u_old = gl.load(tok + rr[:, None] * _TOK_ROW + cc[None, :])         # fp16 [R, K]
     rv = gl.arange(0, _R, layout=gl.SliceLayout(0, VROW))
     q_oldT = gl.load(tok + rv[None, :] * _TOK_ROW + _K + vr[:, None])   # fp16 [V, R], a state row per thread
-    s_k = gl.load(raw_f32 + region + _SK_WORD + kk)
-    s_v = gl.load(raw_f32 + region + _SV_WORD + vr)
-    gb = gbuf_ptr + prog * (_L * _K)
+    s_k = gl.load(pool.raw_f32 + region + _SK_WORD + kk)
+    s_v = gl.load(pool.raw_f32 + region + _SV_WORD + vr)
+    gb = pool.gbuf + prog * (_L * _K)
     if IS_KDA:
-        gp = gate_ptr + prog * _K
+        gp = pool.gate + prog * _K
         jl = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
         # entry j + 1's decay factor in row j's place, a column per thread (entry L - 1's row reads its own row:
         # it is never live below)
@@ -214,7 +257,7 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
         pcum = gl.load(gp + kk)
         dt = gl.load(dt_ptr + head * _K + kk)
     else:
-        p_old = gl.load(gate_ptr + prog)
+        p_old = gl.load(pool.gate + prog)
         dt = gl.load(dt_ptr + head)
     A = gl.exp(gl.load(A_log_ptr + head))
 
@@ -280,19 +323,19 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
                                                       gl.where(n8 == 5, gl.convert_layout(xq1, xd)[None, :],
                                                                gl.where(n8 == 6, gl.convert_layout(xq2, xd)[None, :],
                                                                         gl.convert_layout(xq3, xd)[None, :])))))))
-    x_s.store(xT)
+    scratch.x.store(xT)
     async_copy.wait_group(0)
     gl.thread_barrier()
     acc = gl.zeros([_V, 8], gl.int32, layout=ACC)
     for c in gl.static_range(_K // _KSTEP):
-        acc = mma_v2(codes_s.slice(c * _KSTEP, _KSTEP, 1).load(A_CODES),
-                     x_s.slice(c * _KSTEP, _KSTEP, 1).permute([1, 0]).load(B_X), acc)
+        acc = mma_v2(scratch.codes.slice(c * _KSTEP, _KSTEP, 1).load(A_CODES),
+                     scratch.x.slice(c * _KSTEP, _KSTEP, 1).permute([1, 0]).load(B_X), acc)
     n_acc = gl.arange(0, 8, layout=gl.SliceLayout(0, ACC))[None, :]
     weight = gl.where(n_acc % 4 == 0, 2097152.0, gl.where(n_acc % 4 == 1, 16384.0, gl.where(n_acc % 4 == 2, 128.0,
                                                                                             1.0)))
     part = acc.to(gl.float32) * weight
-    sums_k.store(gl.sum(gl.where(n_acc < 4, part, 0.0), 1) * unit_k)
-    sums_q.store(gl.sum(gl.where(n_acc >= 4, part, 0.0), 1) * unit_q)
+    scratch.sums_k.store(gl.sum(gl.where(n_acc < 4, part, 0.0), 1) * unit_k)
+    scratch.sums_q.store(gl.sum(gl.where(n_acc >= 4, part, 0.0), 1) * unit_q)
 
     # ---- (6) a state row per thread: the window's and the rank part's terms, then the delta rule ----
     # loaded here rather than in (1), to hold fewer registers while the loads are in flight (the design note's
@@ -311,8 +354,8 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
     rank_q = gl.sum(q_oldT * uq_r[None, :], 1)
     row_f = s_v * row_gate
     gl.thread_barrier()                                               # the codes' row sums are in shared memory
-    Sk = sums_k.load(VVEC) * row_f + rank_k + gl.sum(ubT * tk_r[None, :], 1)
-    Sq = sums_q.load(VVEC) * row_f + rank_q + gl.sum(ubT * tq_r[None, :], 1)
+    Sk = scratch.sums_k.load(VVEC) * row_f + rank_k + gl.sum(ubT * tk_r[None, :], 1)
+    Sq = scratch.sums_q.load(VVEC) * row_f + rank_q + gl.sum(ubT * tq_r[None, :], 1)
     beta = _beta(bx, BETA_BF16)
     u_new = beta * (vx.to(gl.float32) - Sk)
     o = Sq + knq * u_new
@@ -326,9 +369,9 @@ def _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_i8, raw_f16, kbuf_p
         gl.store(gp + kk, pcum_new)
         gl.store(wp + jc, gl.full([_L], 1.0, gl.float32, layout=gl.SliceLayout(1, CODES)), mask=jc == h)
     else:
-        gl.store(gate_ptr + prog, p_new)
+        gl.store(pool.gate + prog, p_new)
         gl.store(wp + jc, gl.where(jc == h, 1.0, w_eff), mask=jc <= h)
-    gl.store(hcnt_ptr + prog, h + 1)
+    gl.store(pool.hcnt + prog, h + 1)
 
 
 @gluon.jit(do_not_specialize=["num_slots", "SS", "a_stride", "b_stride"])
@@ -361,10 +404,11 @@ def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, g
     sums_k = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     sums_q = gl.allocate_shared_memory(gl.float32, [_V], PLAIN1_SMEM)
     if (slot > 0) & (slot < num_slots):
-        _step_program(codes_s, x_s, sums_k, sums_q, raw_f32, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr,
-                      ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, A_log_ptr, dt_ptr, out_ptr, kx, qx, kx_c, qx_c,
-                      vx, ax, bx,
-                      row, head, slot, SS, H, IS_KDA, BETA_BF16)
+        scratch = StepScratch(codes_s, x_s, sums_k, sums_q)
+        pool = PoolRefs(raw_f32, raw_u8, raw_u8.to(gl.pointer_type(gl.int8)), raw_f16, kbuf_ptr, ubuf_ptr, w_ptr,
+                        gate_ptr, gbuf_ptr, hcnt_ptr, SS)
+        token = StepToken(kx, qx, kx_c, qx_c, vx, ax, bx)
+        _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, slot, H, IS_KDA, BETA_BF16)
     else:                                   # no sequence on this row: a zero output, nothing else written
         gl.store(out_ptr + (row * H + head) * _V + gl.arange(0, _V, layout=VVEC),
                  gl.zeros([_V], gl.bfloat16, layout=VVEC))
