@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test tier (bench/results/TESTS.md): the whole suite on the project's GPU in six shards run side by side
-# (nothing in the suite is timed; the shards share the GPU), the compile tests for other targets left to CPU CI.
+# (the shards share the GPU: no verdict rests on a time but the benchmark timers' own tests, which compare medians),
+# the compile tests for other targets left to CPU CI.
 # Usage: bench/gpu_tests.sh [OUT_DIR] [LIMIT_S] [SHARD ...]   (logs to OUT_DIR, default /tmp/gpu-tests; each shard
 # stops at LIMIT_S, default 540; SHARDs: conformance tilelang triton pool e2e rest, default all six). Prints each shard's
 # summary line and every failure. Six shards sharing one GPU take longer than a 600 s device call (bench/results/

@@ -574,8 +574,8 @@ TIMING_LONG = {
              "behind a sleep kernel; includes the replay's launch overhead)",
     "eager": "per call, CUDA events around the eager call (launches queued behind a sleep kernel)",
     "wall": "host wall-clock per eager call of leapquant.{call} (argument checks, dispatch and launch "
-            "included): runs of 16 back-to-back calls (8 where each call consumes its slot set's windows, restored "
-            "before the run's clock starts), synchronised after each run",
+            "included): runs of 16 back-to-back calls (where each call consumes its slot set's windows: one call per "
+            "slot set, at most 16, the sets restored before the run's clock starts), synchronised after each run",
 }
 TIMING_SHORT = {"kernel": "kernel time (profiler)", "graph": "CUDA-graph replay, events", "eager": "eager, events",
                 "wall": "eager, host wall-clock"}

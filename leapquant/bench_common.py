@@ -208,7 +208,8 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
     kernels included, host launch overhead excluded). ``prepare(s)``, when given, restores what a call on set s
     consumes (a flush's windows, a step's fill counts): it runs eagerly for every set before the first call and after
     each round of ``nsets`` calls (each set called once a round), behind a marker of its own, outside every call's
-    time; within a round the calls follow each other as without it."""
+    time; within a round the calls follow each other as without it. The markers are float64 fills: neither ``call``
+    nor ``prepare`` may launch a float64 fill of its own."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -241,11 +242,12 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
             torch.cuda.synchronize(dev)
     marker = torch.zeros(1, device=dev, dtype=torch.float64)     # its fill kernel separates the calls in the trace
     MARK = "leapquant_bench_marker"
+    for s in range(nsets):                                        # the first round's preparation, before the trace:
+        prep(s)                                                   # the trace's first fill kernel is then a marker
+    torch.cuda.synchronize(dev)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         if hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(20_000_000)                         # keep the queue ahead of the host's launches
-        for s in range(nsets):
-            prep(s)
         for r in range(repeats):
             with torch.profiler.record_function(MARK):
                 marker.fill_(float(r))

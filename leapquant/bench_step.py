@@ -2,8 +2,9 @@
 
 * ``--op step``: ``leapquant.step_inplace`` of every row (every program stepping), with the window held at one fill
   count per row of the table (``--fill``, default ``1 15``: one live entry as the request's benchmark has it, and a
-  full window); every call finds its fill counts as set (restored between the rounds over the slot sets, outside
-  every call's time: ``bench_common.time_calls_kernel``). Memory bound: every program x
+  full window); every call finds its fill counts as set, restored outside every call's time (the kernel timer
+  after each round over the slot sets, the event timers before each call, the wall timer before each run). Memory
+  bound: every program x
   ``step_program_bytes(gate)`` (SPEC section 7) at the copy bandwidth measured in the same run.
 * ``--op decode``: ``leapquant.decode_inplace`` (the step, then the flush of the windows it filled) at the steady state
   of serving: the fill counts staggered so that 1/16 of the programs are due in every call, as they are when each
