@@ -79,6 +79,19 @@ def checked_record(pool: Pool) -> object | None:
     return _CHECKED.get(pool)
 
 
+def binding_current(pool: Pool, seen: object | None, buffers: tuple, addresses: tuple,
+                    current: tuple) -> tuple[bool, object | None]:
+    """Whether what a backend bound from ``buffers`` (whose data started at ``addresses``) still fits the pool's
+    ``current`` buffers, and the record to keep beside the binding: at once when :func:`checked_record` is ``seen``,
+    the record the binding was last found current with (the check has just looked at the buffers), else by comparing
+    the buffers themselves."""
+    record = checked_record(pool)
+    if record is not None and seen is record:
+        return True, record
+    ok = same_objects(buffers, current) and addresses == buffer_addresses(buffers)
+    return ok, (record if ok else None)
+
+
 def _pool_spans(pool: Pool) -> dict[str, tuple[int, int]]:
     """The byte spans of a checked pool's buffers, by name."""
     return _CHECKED[pool][1]

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import (ALIGN_BYTES, CHECKPOINT_BYTES, CHECKPOINT_WORDS, GATES, SK_WORD, SV_WORD, TOK_BYTE, TOK_HALF,
-                      TOK_ROW)  # noqa: F401  (SK_WORD, SV_WORD, TOK_HALF: for the phase modules)
+from ..layout import ALIGN_BYTES, CHECKPOINT_BYTES, CHECKPOINT_WORDS, GATES, TOK_BYTE, TOK_ROW
 from ..numerics import K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, V
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"

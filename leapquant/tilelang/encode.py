@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import tilelang.language as T
 
+from ..layout import SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
 from ..numerics import EPS, FP16_MAX, K, R, V
 from .buffers import col_word, row_word
 from .config import (CODE_WORDS_PER_ROW, CODES_PER_WORD, F16, F32, GROUP_THREADS, HALVES_PER_WORD, I32,
-                     PROJECT_T_LAYOUT, QMAXF, ROW_STEP, SCALE_K_STRIDE, SCALE_V_STRIDE, SK_WORD, STATE_ROW_BANDS,
-                     SV_WORD, TILE, TILE_WORDS, TILES_PER_SIDE, TOK_HALF, TOK_ROW, U32)
+                     PROJECT_T_LAYOUT, QMAXF, ROW_STEP, SCALE_K_STRIDE, SCALE_V_STRIDE, STATE_ROW_BANDS, TILE,
+                     TILE_WORDS, TILES_PER_SIDE, U32)
 from .project import sum_partials
 from .rebuild import add_token_product
 

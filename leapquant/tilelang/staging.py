@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import tilelang.language as T
 
+from ..layout import SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
 from ..numerics import K, L, R, V
 from .buffers import code_chunk, col_word, region_word, row_word
 from .config import (CHUNK_HALVES, CHUNK_WORDS, CK_CHUNKS, CODE_CHUNKS, CODES_PER_WORD, F16, F32, GROUP_THREADS,
-                     HALF_WINDOW, I32, KEY_PARTS, QMAXF, QUADS, ROW_CHUNKS, ROW_STEP, SK_WORD, SV_WORD, TILE,
-                     TILE_WORDS, TOK_HALF, TOK_ROW, U32, WARP, WINDOW_CHUNKS)
+                     HALF_WINDOW, I32, KEY_PARTS, QMAXF, QUADS, ROW_CHUNKS, ROW_STEP, TILE, TILE_WORDS, U32, WARP,
+                     WINDOW_CHUNKS)
 
 
 @T.macro

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..layout import Pool, buffer_addresses, capturing, on_pool_device, same_objects, slot_stride
-from ..validate import checked_record
+from ..layout import Pool, buffer_addresses, capturing, on_pool_device, slot_stride
+from ..validate import binding_current, checked_record
 from . import step_kernel, tl_kernel
 from .tl_kernel import INTERPRETED
 
@@ -228,12 +228,9 @@ def _bind(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor) -> No
 def _bound(pool: Pool, ws: _Workspace) -> bool:
     """Whether the workspace's launch is bound to the pool's current buffers: at once when the argument check's record
     is the one it was last found current with (the check has just looked at the buffers), else by comparing them."""
-    record = checked_record(pool)
-    if ws.launch is not None and record is not None and ws.checked is record:
-        return True
-    ok = (ws.launch is not None and same_objects(ws.buffers, pool_buffers(pool))
-          and ws.addresses == buffer_addresses(ws.buffers))
-    ws.checked = record if ok else None
+    if ws.launch is None:
+        return False
+    ok, ws.checked = binding_current(pool, ws.checked, ws.buffers, ws.addresses, pool_buffers(pool))
     return ok
 
 
