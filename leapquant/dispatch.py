@@ -35,6 +35,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from .numerics import DEFAULT_HEADS
+
 if TYPE_CHECKING:
     import torch
 
@@ -285,15 +287,20 @@ def default_device() -> torch.device:
 
 
 def device_description(device: torch.device | str | None = None) -> str:
+    """One line naming ``device`` (default: :func:`default_device`): a GPU's name, compute capability and SM count, or
+    the CPU's processor. A device this machine lacks raises a ``ValueError``."""
     import torch
-    device = torch.device(device) if device is not None else default_device()
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
+    try:
+        device = torch.device(device) if device is not None else default_device()
+        if device.type == "cuda":
+            p = torch.cuda.get_device_properties(device)
+            return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
+    except (RuntimeError, TypeError, AssertionError) as e:     # no such device here (torch's own error types vary)
+        raise ValueError(f"device: {device!r} is not a device of this machine ({type(e).__name__}: {e})") from None
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
-def backend_info(device: torch.device | str | None = None, num_heads: int = 32, gate: str = "kda",
+def backend_info(device: torch.device | str | None = None, num_heads: int = DEFAULT_HEADS, gate: str = "kda",
                  num_rows: int = 256, op: str = "flush") -> list[dict]:
     """Every backend, available or not, with the reasons it cannot serve ``op`` (``"flush"`` or ``"step"``) on a
     pool of this geometry on ``device``.

@@ -24,10 +24,9 @@ from typing import Sequence
 
 import torch
 
-from .numerics import EPS, FP16_MAX, GATES, K, L, QMAX, R, V  # noqa: F401  (the math's sizes and constants, re-exported)
+from .numerics import DEFAULT_HEADS, EPS, GATES, K, L, QMAX, R, V  # noqa: F401  (the math's sizes and constants, re-exported)
 from .reference import compress, decode_checkpoint, default_q0, pool_writes, rebuild
 
-DEFAULT_HEADS = 32
 
 # ---- the pool's geometry, in fp32 words unless said otherwise --------------------------------------------------------
 OFF = 12288                      #: word offset of slot 0 inside ``raw`` (engines keep a header there)
@@ -189,13 +188,14 @@ def step_program_bytes(gate: str = "kda") -> int:
 
 
 def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]],
-          device: torch.device) -> list[torch.Tensor]:
+          device: torch.device, copy: bool = False) -> list[torch.Tensor]:
     """Check and convert arguments before anything is written; raise ``ValueError`` naming the first bad one.
 
     ``items`` are ``(name, value, field, lead)`` with ``lead`` the leading dims as ``(symbol, size)`` pairs. Every
     value's type, dtype and shape are checked first, then all are converted to ``field.dtype`` on ``device`` (a copy
-    where they differ) and their values checked with one host synchronisation for all of them. Returns the
-    converted tensors, in order."""
+    where they differ; always with ``copy``, for values that may be views of what the caller then writes: a pool's
+    own slots passed to one of its writers) and their values checked with one host synchronisation for all of them.
+    Returns the converted tensors, in order."""
     for name, t, f, lead in items:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -210,7 +210,7 @@ def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str,
         if tuple(t.shape) != shape:
             dims = ", ".join([sym for sym, _ in lead] + list(f.dims))
             raise ValueError(f"{name}: expected shape ({dims}) = {shape}, got {tuple(t.shape)}")
-    staged = [t.detach().to(device, f.dtype) for _, t, f, _ in items]
+    staged = [t.detach().to(device, f.dtype, copy=copy) for _, t, f, _ in items]
     if not staged:
         return staged
     flags = torch.stack([f.bad_mask(s).any() for s, (_, _, f, _) in zip(staged, items)]).tolist()
@@ -222,6 +222,17 @@ def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str,
                              f"{f' (after conversion to {f.dtype})' if f.dtype.is_floating_point else ''}; "
                              f"got {', '.join(f'{v!r} at {i}' for v, i in zip(vals, where))}")
     return staged
+
+
+def as_int(x: object) -> int | None:
+    """``x`` as an int where it is a whole number of the host: a Python int or a numpy integer scalar (an engine's
+    slot table); None for bools, floats, tensors (reading one may synchronise with a device) and anything else."""
+    if isinstance(x, (bool, torch.Tensor)) or type(x).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def _slot_number(x: object, position: int, name: str = "slots") -> int:
@@ -313,10 +324,12 @@ class Pool:
                  gate: str = "kda", **buffers: torch.Tensor) -> None:
         if gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
+        ns, nh = as_int(num_slots), as_int(num_heads)
+        if ns is None or ns < 2:
             raise ValueError(f"num_slots: expected an int >= 2 (slot 0 is reserved), got {num_slots!r}")
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        if nh is None or nh < 1:
             raise ValueError(f"num_heads: expected an int >= 1, got {num_heads!r}")
+        num_slots, num_heads = ns, nh
         if 4 * raw_words(num_slots, num_heads) >= 2 ** 62:
             raise ValueError(f"num_slots x num_heads: {num_slots} x {num_heads} programs need "
                              f"{4 * raw_words(num_slots, num_heads):.3g} bytes of checkpoints, more than any device "
@@ -371,6 +384,26 @@ class Pool:
         return tuple(getattr(self, n).data_ptr() % ALIGN_BYTES for n in LOOSE_ALIGNMENT
                      if n in WINDOW_FIELDS[self.gate])
 
+    def check_buffers(self) -> None:
+        """Raise a ``ValueError`` naming the first of the pool's buffers that no longer fits its geometry (an engine
+        may have replaced one after the pool was made): ``raw`` and every window tensor dense, of its dtype and shape,
+        on the pool's device and aligned (:data:`LOOSE_ALIGNMENT` aside); the checkpoint views still views of this
+        ``raw``; no two buffers sharing memory. Reads metadata only. Every bulk helper runs it first; the deployment
+        calls run it through :func:`leapquant.validate.check_pool`, once per set of buffers."""
+        if self.gate not in GATES:
+            raise ValueError(f"pool.gate: expected one of {GATES}, got {self.gate!r}")
+        NS, H, dev = self.num_slots, self.num_heads, self.device
+        if self.slot_stride != slot_stride(H):
+            raise ValueError(f"pool.slot_stride: {self.slot_stride} does not match num_heads = {H}")
+        check_dense("pool.raw", self.raw, (raw_words(NS, H),), torch.float32, dev, aligned=True)
+        for name in self.WINDOW_FIELDS[self.gate]:
+            f = FIELDS[name]
+            check_dense(f"pool.{name}", getattr(self, name, None), (NS, H) + f.shape, f.dtype, dev,
+                        aligned=name not in LOOSE_ALIGNMENT)
+        if self.codes.data_ptr() != self.raw.data_ptr() + 4 * OFF + CODES_BYTE:
+            raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
+        check_disjoint({n: getattr(self, n) for n in ("raw", *self.WINDOW_FIELDS[self.gate])}, prefix="pool.")
+
     def window_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.WINDOW_FIELDS[self.gate]}
 
@@ -384,14 +417,18 @@ class Pool:
     # per-head shapes, storage dtypes and value ranges come from FIELDS. Tensors may live on any device and in any
     # floating dtype where the pool stores floats: they are copied to the pool's device and dtype. These helpers read
     # values on the host (they synchronise): they are for loading and inspecting a pool, not for a captured graph.
+    # Each first checks the pool's own buffers (check_buffers, through _slots), as the deployment calls do.
 
     def _slots(self, slots: object, distinct: bool = True, name: str = "slots") -> torch.Tensor:
         """``slots`` as a long tensor [n] on the pool's device. Accepts a list, tuple or range of ints, or a 1-D
-        integer tensor on any device; every slot must lie in [1, num_slots) (slot 0 is reserved). With
+        integer tensor on any device or numpy array; every slot must lie in [1, num_slots) (slot 0 is reserved). With
         ``distinct`` (every write) each slot must appear once: each sequence owns one slot, and two rows written
         to one slot would leave whichever the indexing happened to store last. Reads may repeat a slot (one row
         per program, say); they get one copy per mention. An empty selection is allowed (n = 0). Errors name the
-        argument ``name``."""
+        argument ``name``. The pool's buffers are checked first (:meth:`check_buffers`)."""
+        self.check_buffers()
+        if not isinstance(slots, (torch.Tensor, list, tuple, range)) and hasattr(slots, "__array__"):
+            slots = torch.as_tensor(slots)              # a numpy array of slot numbers (an engine's slot table)
         if isinstance(slots, torch.Tensor):
             if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex():
                 raise ValueError(f"{name}: expected integer slot numbers, got a tensor of dtype {slots.dtype}")
@@ -424,7 +461,9 @@ class Pool:
                           ) -> list[torch.Tensor]:
         lead = self._lead(s)
         given = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q)
-        return check_and_convert([(n, given[n], FIELDS[n], lead) for n in CHECKPOINT_FIELDS], self.device)
+        # copies: a caller may pass views of this pool's own checkpoints (moving slots), which the writes overwrite
+        return check_and_convert([(n, given[n], FIELDS[n], lead) for n in CHECKPOINT_FIELDS], self.device,
+                                 copy=True)
 
     def _put_checkpoint(self, s: torch.Tensor, codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor,
                         u: torch.Tensor, q: torch.Tensor) -> None:
@@ -472,18 +511,20 @@ class Pool:
                                  f"got {type(gbuf).__name__}")
             gate_name, extra = "gate (p)", []
         hc = FIELDS["hcnt"]
-        if isinstance(fill, bool) or not isinstance(fill, int) or not hc.lo <= fill <= hc.hi:
+        n_fill = as_int(fill)
+        if n_fill is None or not hc.lo <= n_fill <= hc.hi:
             raise ValueError(f"fill: expected an int in [{hc.lo}, {hc.hi}] (the window's fill count; {L} = due), "
                              f"got {fill!r}")
         gate_field = FIELDS["pcum" if self.gate == "kda" else "p"]
         staged = check_and_convert([("kbuf", kbuf, FIELDS["kbuf"], lead), ("ubuf", ubuf, FIELDS["ubuf"], lead),
-                        ("w", w, FIELDS["w"], lead), (gate_name, gate, gate_field, lead), *extra], self.device)
+                        ("w", w, FIELDS["w"], lead), (gate_name, gate, gate_field, lead), *extra], self.device,
+                        copy=True)              # copies: the arguments may be views of this pool's own windows
         self.kbuf[s], self.ubuf[s], self.w[s] = staged[:3]
         if self.gate == "kda":
             self.pcum[s], self.gbuf[s] = staged[3:]
         else:
             self.p[s] = staged[3]
-        self.hcnt[s] = fill
+        self.hcnt[s] = n_fill
 
     @pool_writes()
     def encode(self, slots, states: torch.Tensor, q0: torch.Tensor | None = None) -> None:
@@ -494,8 +535,14 @@ class Pool:
         q0 = default_q0(self.device) if q0 is None else q0
         S, q0 = check_and_convert([("states", states, Field(("V", "K"), torch.float32), self._lead(s)),
                        ("q0", q0, Field(("V", "R"), torch.float32), ())], self.device)
-        # compress's output goes through the same checks as a caller's checkpoint before anything is written
-        self._put_checkpoint(s, *self._stage_checkpoint(s, *compress(S, q0)))
+        # compress's output goes through the same checks as a caller's checkpoint before anything is written; a state
+        # too large for the format (finite, but its scales overflow fp32) fails there, and the error says so
+        try:
+            staged = self._stage_checkpoint(s, *compress(S, q0))
+        except ValueError as e:
+            raise ValueError(f"states: their compression does not fit the format ({e}); |states| is at most "
+                             f"{float(S.abs().max()):.3g} (the format is for |S| < 1e4)") from None
+        self._put_checkpoint(s, *staged)
 
     # ---- life cycle: a new sequence, a fork ------------------------------------------------------------------------
     @pool_writes()

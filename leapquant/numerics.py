@@ -10,6 +10,7 @@ V = 128          #: value dimension (rows of the state)
 K = 128          #: key dimension (columns of the state)
 L = 16           #: window length: updates buffered between two flushes
 R = 4            #: rank of the fp16 part (number of Compensator Tokens)
+DEFAULT_HEADS = 32  #: heads per sequence where a caller gives none (Kimi-Linear's KDA layers: 32 heads)
 GATES = ("kda", "gdn")  #: the gate variants: per key channel (Kimi Delta Attention), one per head (Gated DeltaNet)
 
 # ---- the format -------------------------------------------------------------------------------------------------------
@@ -56,4 +57,5 @@ RINT_MAGIC = 12582912.0
 #: (code + 128, in 0..255) placed as the low mantissa byte of the float 2^23 (bits CODE_BIAS_BITS) reads
 #: 2^23 + 128 + code, and subtracting CODE_BIAS = 2^23 + 128 leaves the code exactly
 CODE_BIAS_BITS = 0x4B000000
-CODE_BIAS = 2.0 ** 23 + 128
+CODE_SIGN = 0x80  #: a code byte's sign bit: XOR with it turns the int8 code into code + 128, an unsigned byte
+CODE_BIAS = 2.0 ** 23 + CODE_SIGN

@@ -45,7 +45,11 @@ def default_q0(device: torch.device | str = "cpu") -> torch.Tensor:
     orthogonal to any head's dominant subspace."""
     g = torch.Generator().manual_seed(0x1EA9)
     q0 = torch.randn(V, R, generator=g, dtype=torch.float64)
-    return (q0 / q0.norm(dim=0, keepdim=True)).to(torch.float32).to(device)
+    q0 = (q0 / q0.norm(dim=0, keepdim=True)).to(torch.float32)
+    try:
+        return q0.to(device)
+    except (RuntimeError, TypeError, AssertionError) as e:     # no such device here (torch's own error types vary)
+        raise ValueError(f"device: {device!r} cannot hold q0 ({type(e).__name__}: {e})") from None
 
 
 def decode_checkpoint(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,

@@ -16,9 +16,8 @@ import weakref
 
 import torch
 
-from .layout import (CODES_BYTE, FIELDS, GATES, LOOSE_ALIGNMENT, K, L, OFF, R, V, Pool, buffer_addresses, byte_span,
-                     capturing, check_dense, check_disjoint, check_tensor, first_overlap, raw_words, same_objects,
-                     slot_stride)
+from .layout import (GATES, K, L, R, V, Pool, as_int, buffer_addresses, byte_span, capturing, check_dense, check_tensor,
+                     first_overlap, same_objects)
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
@@ -46,7 +45,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
         raise ValueError(f"pool: gate mismatch: the pool is {pool.gate!r}, the call expects {gate!r}")
     if num_heads is not None and pool.num_heads != num_heads:
         raise ValueError(f"pool: num_heads mismatch: the pool has {pool.num_heads}, the call expects {num_heads}")
-    if pool.gate not in GATES:
+    if pool.gate not in GATES:       # (_buffers reads the gate's fields)
         raise ValueError(f"pool.gate: expected one of {GATES}, got {pool.gate!r}")
     key = _buffers(pool)
     geometry = (pool.gate, pool.num_slots, pool.num_heads, pool.slot_stride, pool.device)
@@ -54,17 +53,7 @@ def check_pool(pool: object, gate: str | None = None, num_heads: int | None = No
     if (seen is not None and seen[3] == geometry and same_objects(seen[0], key)
             and seen[2] == buffer_addresses(key)):
         return pool
-    NS, H, dev = pool.num_slots, pool.num_heads, pool.device
-    if pool.slot_stride != slot_stride(H):
-        raise ValueError(f"pool.slot_stride: {pool.slot_stride} does not match num_heads = {H}")
-    check_dense("pool.raw", pool.raw, (raw_words(NS, H),), torch.float32, dev, aligned=True)
-    for name in pool.WINDOW_FIELDS[pool.gate]:
-        f = FIELDS[name]
-        check_dense(f"pool.{name}", getattr(pool, name, None), (NS, H) + f.shape, f.dtype, dev,
-                    aligned=name not in LOOSE_ALIGNMENT)
-    if pool.codes.data_ptr() != pool.raw.data_ptr() + 4 * OFF + CODES_BYTE:
-        raise ValueError("pool.raw: was replaced after the views were made; build a new Pool around it")
-    check_disjoint({n: getattr(pool, n) for n in ("raw", *pool.WINDOW_FIELDS[pool.gate])}, prefix="pool.")
+    pool.check_buffers()
     names = ("raw", "codes", *pool.WINDOW_FIELDS[pool.gate])
     _CHECKED[pool] = (key, {f"pool.{n}": byte_span(t) for n, t in zip(names, key)}, buffer_addresses(key), geometry)
     return pool
@@ -251,11 +240,12 @@ def _key_heads(gate: str, num_heads: int, num_k_heads: object, derived: int | No
     of argument ``arg``, implies, when that is known), else ``derived``; KDA has one key head per head, GDN any Hk
     dividing H (GQA)."""
     if num_k_heads is not None:
-        if isinstance(num_k_heads, bool) or not isinstance(num_k_heads, int) or num_k_heads < 1:
+        given = as_int(num_k_heads)
+        if given is None or given < 1:
             raise ValueError(f"num_k_heads: expected a positive int or None, got {num_k_heads!r}")
-        if derived is not None and derived != num_k_heads:
-            raise ValueError(f"num_k_heads: {num_k_heads} disagrees with {arg}: {source} gives {derived} key heads")
-        hk = num_k_heads
+        if derived is not None and derived != given:
+            raise ValueError(f"num_k_heads: {given} disagrees with {arg}: {source} gives {derived} key heads")
+        hk = given
     elif derived is not None:
         if derived < 1:
             raise ValueError(f"{arg}: {source} gives {derived} key heads; expected at least one")

@@ -127,6 +127,16 @@ def test_a_cuda_pool_without_cuda_is_refused():
         lq.Pool(2, 1, device="cuda")
 
 
+@pytest.mark.parametrize("device", ["gpu", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_devices_this_machine_lacks_are_refused_by_the_info_helpers(device):
+    """The helpers an engine calls before it has a pool name a device this machine lacks with a ValueError (torch's
+    own errors for it are RuntimeError, AssertionError or TypeError, depending on the device and the build)."""
+    with pytest.raises(ValueError, match="device: "):
+        lq.device_description(device)
+    with pytest.raises(ValueError, match="device: .* cannot hold q0"):
+        lq.default_q0(device)
+
+
 def test_slots_on_the_meta_device_are_refused():
     pool = lq.Pool(3, 1)
     before = snapshot(pool)

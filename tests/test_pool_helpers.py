@@ -445,3 +445,91 @@ def test_inputs_on_another_device_are_copied(gate, cuda_device):
     assert torch.equal(pool.kbuf[torch.tensor(SLOTS, device=pool.device)].cpu(), win["kbuf"])
     bad = dict(win, ubuf=win["ubuf"][..., :64])
     expect_rejected(pool, "write_window", torch.tensor(SLOTS, device=pool.device), bad, r"ubuf: expected shape")
+
+
+# ---- the pool's own buffers, views of them, and host integers ---------------------------------------------------------
+def _life_cycle(pool: lq.Pool, helper: str) -> None:
+    if helper == "reset_slots":
+        pool.reset_slots(SLOTS)
+    else:
+        pool.copy_slots([2, 4], SLOTS)
+
+
+SWAPS = [
+    ("raw replaced", "raw", lambda t: t.clone(), r"pool.raw: was replaced after the views were made"),
+    ("hcnt int64", "hcnt", lambda t: t.long(), r"pool.hcnt: expected dtype torch.int32"),
+    ("kbuf one head short", "kbuf", lambda t: t[:, :1].clone(), r"pool.kbuf: expected shape"),
+    ("w shares kbuf's memory", "w", None, r"pool.w: shares memory with pool.kbuf"),
+]
+
+
+@pytest.mark.parametrize("helper", WRITERS + READERS + ("reset_slots", "copy_slots"))
+@pytest.mark.parametrize("field, swap, match", [pytest.param(*c[1:], id=c[0]) for c in SWAPS])
+def test_helpers_check_the_pools_buffers(gate, helper, field, swap, match):
+    """A buffer an engine replaced after making the pool is named by every helper, as by the deployment calls, before
+    anything is written (through the stale views, or into the replacement)."""
+    pool = make_pool(gate)
+    before, kept = snapshot(pool), getattr(pool, field)
+    replacement = swap(kept) if swap is not None else pool.kbuf.view(torch.float32).view(-1)[:kept.numel()].view(
+        kept.shape)
+    witness = replacement.clone().view(torch.uint8)
+    setattr(pool, field, replacement)
+    with pytest.raises(ValueError, match=match):
+        if helper in ("reset_slots", "copy_slots"):
+            _life_cycle(pool, helper)
+        else:
+            call(pool, helper, SLOTS, valid_args(helper, gate))
+    assert torch.equal(replacement.view(torch.uint8), witness), f"the replacement pool.{field} was written"
+    setattr(pool, field, kept)
+    assert_untouched(pool, before)
+
+
+def _valid_slots(pool: lq.Pool, gate: str, slots) -> tuple[dict, dict]:
+    ck, win = checkpoint_args(len(slots), seed=11), window_args(gate, len(slots), seed=11)
+    pool.write_checkpoint(slots, **ck)
+    pool.write_window(slots, **win, fill=5)
+    return ck, win
+
+
+def test_writers_take_views_of_the_pools_own_slots(gate):
+    """Moving slots 2, 3 into 1, 2 by passing the pool's own views: every destination gets its source as it was before
+    the call (the writers copy their arguments before writing; without that, slot 1's codes read slot 3's)."""
+    pool = make_pool(gate)
+    ck, win = _valid_slots(pool, gate, [2, 3])
+    src = torch.tensor([2, 3])
+    views = dict(codes=pool.codes[2:4], s_k=pool.s_k[2:4], s_v=pool.s_v[2:4], u=pool.u[2:4], q=pool.q[2:4])
+    pool.write_checkpoint([1, 2], **views)
+    for got, want in zip(pool.read_checkpoint([1, 2]), (ck[n] for n in ("codes", "s_k", "s_v", "u", "q"))):
+        assert torch.equal(got, want.to(got.dtype))
+    gate_view = pool.pcum[2:4] if gate == "kda" else pool.p[2:4]
+    pool.write_window([1, 2], pool.kbuf[2:4], pool.ubuf[2:4], pool.w[2:4], gate_view,
+                      pool.gbuf[2:4] if gate == "kda" else None, fill=5)
+    for name, want in (("kbuf", win["kbuf"]), ("ubuf", win["ubuf"]), ("w", win["w"])):
+        assert torch.equal(getattr(pool, name)[torch.tensor([1, 2])], want.to(getattr(pool, name).dtype)), name
+    assert torch.equal((pool.pcum if gate == "kda" else pool.p)[torch.tensor([1, 2])], win["gate"].float())
+    assert src.tolist() == [2, 3]
+
+
+def test_host_integers_of_numpy_are_accepted(gate):
+    """Engines keep slot tables and sizes in numpy: numpy integers pass wherever an int is asked for, and a numpy
+    array of slots wherever a slot list is; numpy bools do not."""
+    np = pytest.importorskip("numpy")
+    pool = lq.Pool(np.int64(NS), np.int32(H), gate=gate)
+    assert (pool.num_slots, pool.num_heads) == (NS, H) and type(pool.num_slots) is int
+    win = window_args(gate)
+    pool.write_window(np.array(SLOTS), **win, fill=np.int64(L))
+    assert bool((pool.hcnt[torch.tensor(SLOTS)] == L).all())
+    pool.reset_slots(np.array(SLOTS, dtype=np.int32))
+    assert bool((pool.hcnt[torch.tensor(SLOTS)] == 0).all())
+    expect_rejected(pool, "write_window", SLOTS, dict(win, fill=np.bool_(True)), r"fill: expected an int")
+    expect_rejected(pool, "write_window", np.array([1.0, 3.0]), win, INT_SLOTS)
+
+
+def test_encode_names_states_too_large_for_the_format(gate):
+    """A finite state whose compression overflows fp32 (|S| ~ 3e38, far outside the format's |S| < 1e4) is refused
+    naming ``states``, not the internal checkpoint it produced."""
+    pool = make_pool(gate)
+    S = torch.full((len(SLOTS), H, V, K), 3e38)
+    S[..., ::2, :] *= -1
+    S[..., 0] = 0
+    expect_rejected(pool, "encode", SLOTS, dict(states=S), r"states: their compression does not fit the format")

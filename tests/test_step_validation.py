@@ -71,6 +71,7 @@ W = 2 * H * K + H * V
     (dict(num_k_heads=0), "num_k_heads: expected a positive int"),
     (dict(num_k_heads=True), "num_k_heads: expected a positive int"),
     (dict(num_k_heads=2), "num_k_heads: 2 disagrees with qkv: its width"),
+    (dict(num_k_heads=torch.tensor(H)), "num_k_heads: expected a positive int"),      # reading it could synchronise
     (dict(beta_bf16=1), "beta_bf16: expected a bool"),
     (dict(check_idx="no"), "check_idx: expected a bool"),
     (dict(idx=torch.tensor([1, 5, 3], dtype=torch.int32), check_idx=True), "idx: slots must be < num_slots = 5"),
@@ -78,6 +79,20 @@ W = 2 * H * K + H * V
 ])
 def test_bad_arguments(pool, change, match):
     _expect_rejected(pool, match, **change)
+
+
+def test_num_k_heads_as_a_numpy_integer(pool):
+    """An engine's head counts may be numpy integers: they serve as the int they hold."""
+    np = pytest.importorskip("numpy")
+    args = good_args(pool.gate)
+    outs = []
+    for hk in (H, np.int64(H)):
+        p = lq.Pool(5, H, gate=pool.gate)
+        out = torch.empty(N, H, V, dtype=torch.bfloat16)
+        lq.step_inplace(p, args["idx"], args["qkv"], args["a"], args["b"], args["A_log"], args["dt_bias"], out,
+                        num_k_heads=hk)
+        outs.append((out, snapshot(p)))
+    assert torch.equal(outs[0][0], outs[1][0]) and all(torch.equal(v, outs[1][1][k]) for k, v in outs[0][1].items())
 
 
 def test_gate_specific_shapes(pool):
