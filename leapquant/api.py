@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import dispatch
-from .layout import L, V, Pool
+from .layout import DEFAULT_HEADS, L, V, Pool
 from .reference import pool_writes
 from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_run_args, check_step_args,
                        check_step_run_args)
@@ -250,7 +250,7 @@ def device_description(device: torch.device | str | None = None) -> str:
     return dispatch.device_description(device)
 
 
-def backend_info(device: torch.device | str | None = None, num_heads: int = 32, gate: str = "kda",
+def backend_info(device: torch.device | str | None = None, num_heads: int = DEFAULT_HEADS, gate: str = "kda",
                  num_rows: int = 256, op: str = "flush") -> list[dict]:
     """Every backend, available or not, with the reasons it cannot serve ``op`` (``"flush"`` or ``"step"``) on a pool
     of this geometry on ``device``: dicts with ``name``, ``available``, ``reasons``, ``auto_rank`` (1 = auto's first

@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 from . import bench_step
 from .bench_common import (CSV_COLUMNS, DUE_FRACTIONS, Row, _fmt, _one_line, _percentile, copy_bandwidth,
                            slot_sets, time_calls, time_calls_kernel, time_calls_wall, timer_floor)
-from .numerics import GATES
+from .numerics import DEFAULT_HEADS, GATES
 from .options import UsageError, parse_device
 
 DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--batch", nargs="+", type=int, default=None, metavar="N",
                         help=f"sequences per call (x heads programs); default {' '.join(map(str, DEFAULT_GPU_BATCHES))}"
                              f" on a GPU, {' '.join(map(str, DEFAULT_CPU_BATCHES))} on a CPU")
-    parser.add_argument("--heads", type=int, default=32, help="heads per sequence (default 32)")
+    parser.add_argument("--heads", type=int, default=DEFAULT_HEADS, help=f"heads per sequence (default {DEFAULT_HEADS})")
     parser.add_argument("--gate", nargs="+", default=["kda"], choices=GATES,
                         help="gate variant(s) (default kda)")
     parser.add_argument("--due", nargs="+", default=list(DUE_FRACTIONS), choices=tuple(DUE_FRACTIONS),
@@ -405,6 +405,7 @@ class CheckData:
         import torch
 
         from . import families
+        from .layout import CHECKPOINT_FIELDS
         from .reference import compress, rebuild
         case = families.make_case(rows, heads, gate, seed, "cpu")
         self.gate, self.rows = gate, rows
@@ -413,7 +414,7 @@ class CheckData:
         self.labels = case.labels
         t = self.tensors
         gate_kw = dict(pcum=t["pcum"], gbuf=t["gbuf"]) if gate == "kda" else dict(p=t["p"])
-        ck = tuple(t[n] for n in ("codes", "s_k", "s_v", "u", "q"))
+        ck = tuple(t[n] for n in CHECKPOINT_FIELDS)
         self.exact = rebuild(*ck, t["kbuf"], t["ubuf"], t["w"], **gate_kw, dtype=torch.float64)
         self.ref = compress(rebuild(*ck, t["kbuf"], t["ubuf"], t["w"], **gate_kw), self.q0)
 

@@ -9,7 +9,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-DUE_FRACTIONS = {"all": 1.0, "sixteenth": 1.0 / 16.0, "none": 0.0}
+from .numerics import L
+
+DUE_FRACTIONS = {"all": 1.0, "sixteenth": 1.0 / L, "none": 0.0}   #: "sixteenth": serving's steady state, 1 / L
 
 
 CSV_COLUMNS = (

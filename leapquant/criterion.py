@@ -94,7 +94,7 @@ def judge(S: torch.Tensor, out: Sequence[torch.Tensor], ref: Sequence[torch.Tens
     kind = "relative" if bool(relative[worst]) else "absolute"
     detail = (f"worst head {_head_name(worst, labels)} ({kind}): err {float(err[worst]):.4g}, reference err "
               f"{float(err_ref[worst]):.4g}, mean|S| {float(mean_abs[worst]):.4g}, score {ws:.4f} "
-              f"(err / {'1.01 err_ref' if kind == 'relative' else '1e-3 mean|S|'})")
+              f"(err / {f'{REL_SLACK:g} err_ref' if kind == 'relative' else f'{ABS_BOUND:g} mean|S|'})")
     nfail = int((score > 1).sum())
     if nfail:
         problems.append(f"{nfail} of {score.numel()} heads over their bound ({100.0 * nfail / score.numel():.1f} %)")
@@ -174,7 +174,7 @@ def exact_step(codes, s_k, s_v, u, q, kbuf, ubuf, w, h, qx, kx, vx, a, b, A_log,
     else:
         values.update(p_new=ex["p_new"])
         kind = "gdn"
-    h = args[8]
+    h = h.detach().cpu()
     entry = torch.where(h == L, torch.zeros_like(h), h)              # a fill count of L is an empty window
     return StepExact(kind, values, dict(o=mag["o"], k_row=mag["kn"], u_row=mag["u_new"]), ex["g"],
                      live_entries(entry))

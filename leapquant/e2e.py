@@ -54,8 +54,7 @@ import torch
 
 from . import bench, dispatch
 from . import reference as ref
-from .layout import GATES
-from .numerics import K, L, V
+from .numerics import DEFAULT_HEADS, GATES, K, L, V
 
 METHODS = ("leapquant", "fp32 state", "bf16 state")   #: the methods judged against the fp64 state, in table order
 SUBSPACE = 16          #: dimension of each head's key / query / value subspace
@@ -175,7 +174,7 @@ class Result:
 
 # ---- the simulation -----------------------------------------------------------------------------------------------
 def simulate(gate: str, *, backend: str | None = None, device: torch.device | str = "cpu", batch: int = 8,
-             heads: int = 32, k_heads: int | None = None, tokens: int = 512, last: int = 128, prefill: int = 256,
+             heads: int = DEFAULT_HEADS, k_heads: int | None = None, tokens: int = 512, last: int = 128, prefill: int = 256,
              seed: int = 0) -> Result:
     """Decode ``tokens`` tokens of ``batch`` sequences (``heads`` value heads; ``k_heads`` key heads, default
     ``heads`` for KDA and ``heads // 2`` for GDN: Qwen3-Next's 16 / 32) from a prefill of ``prefill`` tokens, through
@@ -347,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--gates", nargs="+", choices=GATES, default=list(GATES))
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=DEFAULT_HEADS)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--last", type=int, default=128)
     parser.add_argument("--prefill", type=int, default=256)

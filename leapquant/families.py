@@ -335,7 +335,7 @@ def make_case(batch: int, heads: int, gate: str = "kda", seed: int = 0, device: 
     q0 = default_q0() if q0 is None else q0.detach().cpu().float()
     n = batch * heads
     labels_flat = [fams[(i + seed) % len(fams)] for i in range(n)]
-    names = ("codes", "s_k", "s_v", "u", "q", "kbuf", "ubuf", "w") + (("gbuf", "pcum") if gate == "kda" else ("p",))
+    names = CHECKPOINT_FIELDS + tuple(f for f in WINDOW_FIELDS[gate] if f != "hcnt")   # the functional forms' tensors
     parts: dict[str, list] = {k: [None] * n for k in names}
     for fam in dict.fromkeys(labels_flat):
         where = [i for i, lab in enumerate(labels_flat) if lab == fam]

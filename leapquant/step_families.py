@@ -106,13 +106,13 @@ def append_entry(t: dict[str, torch.Tensor], out: Sequence[torch.Tensor], gate: 
     h = t["h"].long()
     h = torch.where(h == L, torch.zeros_like(h), h)
     this = (torch.arange(L) == h[..., None])
-    t["kbuf"] = torch.where(this[..., None], out[1][..., None, :], t["kbuf"])
-    t["ubuf"] = torch.where(this[..., None], out[2][..., None, :], t["ubuf"])
     if gate == "kda":
-        t["gbuf"] = torch.where(this[..., None], out[3][..., None, :], t["gbuf"])
-        t["w"], t["pcum"] = out[4], out[5]
+        _, k_row, u_row, g_row, t["w"], t["pcum"] = out
+        t["gbuf"] = torch.where(this[..., None], g_row[..., None, :], t["gbuf"])
     else:
-        t["w"], t["p"] = out[3], out[4]
+        _, k_row, u_row, t["w"], t["p"] = out
+    t["kbuf"] = torch.where(this[..., None], k_row[..., None, :], t["kbuf"])
+    t["ubuf"] = torch.where(this[..., None], u_row[..., None, :], t["ubuf"])
     t["h"] = (h + 1).to(torch.int32)
     full = t["h"] == L
     if bool(full.any()):

@@ -23,7 +23,7 @@ from leapquant.triton.gluon_kernel import (COLSUM1_XCHG_SMEM, COLSUM4_XCHG_SMEM,
                                            STATE_ROWS, STATE_ROWS4_XCHG_SMEM, SUMS4_XCHG_SMEM, WARP_VEC4, WARPS,
                                            WINDOW, WORDS, _K, _L, _V, _own_columns, _own_rows, stacked4_layout)
 from leapquant.triton.gluon_step_kernel import KVEC, _beta, _digits
-from leapquant.triton.launch import CHUNK
+from leapquant.triton.launch import SCAN_FLAGS
 
 
 def compile_static(capability: int, gate: str = "kda", num_heads: int = 32, programs: int = 132):
@@ -36,9 +36,9 @@ def compile_static(capability: int, gate: str = "kda", num_heads: int = 32, prog
     sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",
            "w_ptr": "*fp32", "gate_ptr": "*fp32", "gbuf_ptr": "*fp16" if kda else "*fp32", "q0_ptr": "*fp32",
            "idx_ptr": "*i32", "hcnt_ptr": "*i32", "due_ptr": "*i32", "N": "i32", "num_slots": "i32", "SS": "i32",
-           "H": "constexpr", "HP": "constexpr", "G": "constexpr", "IS_KDA": "constexpr", "CHUNK": "constexpr",
+           "H": "constexpr", "HP": "constexpr", "G": "constexpr", "IS_KDA": "constexpr", "SCAN_FLAGS": "constexpr",
            "TW": "constexpr"}
-    const = {"H": num_heads, "HP": hp, "G": programs, "IS_KDA": kda, "CHUNK": CHUNK, "TW": min(hp, 32)}
+    const = {"H": num_heads, "HP": hp, "G": programs, "IS_KDA": kda, "SCAN_FLAGS": SCAN_FLAGS, "TW": min(hp, 32)}
     names = list(sig)
     assert names == list(gluon_kernel.flush_due.arg_names), "the signature above must follow the kernel's"
     # the launch's specialisation: 16-byte aligned pool and window pointers (q0 and idx are not specialised)

@@ -162,7 +162,7 @@ def test_demo_decodes_then_judges_every_flush():
     assert "outputs finite: yes; padding row's output exactly zero: yes" in res.stdout
     flush = [line for line in res.stdout.split("\nflush:")[1].splitlines() if line.startswith("| ") and "pass" in line]
     assert len(flush) == 2, res.stdout
-    assert "bytes per head: checkpoint 19456" in res.stdout
+    assert "bytes per head: checkpoint 19456" in res.stdout     # SPEC section 4's 19 KB, an independent check
 
 
 def test_demo_gdn():

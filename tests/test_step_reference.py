@@ -240,8 +240,8 @@ def test_step_entry_points_load_lazily():
 
 def test_reference_passes_with_a_subnormal_gdn_gate():
     """A GDN gate_extremes head whose step gate at = exp(g) is below the normal fp32 range (w 0.84 decays to 1.0e-43):
-    at itself is an fp32 value rounded to the subnormal grid, and the criterion counts that rounding (the nightly
-    profile's case: the fp32 reference was 1.16x over a bound without it)."""
+    at itself is an fp32 value rounded to the subnormal grid, and the criterion counts that rounding (without that
+    term the fp32 reference is 1.16x over the bound here)."""
     case = sf.make_step_case(1, 4, "gdn", seed=2982, num_k_heads=1)
     at = torch.exp(case.exact(beta_bf16=False).g)
     assert bool(((at > 0) & (at < torch.finfo(torch.float32).tiny)).any())      # a subnormal gate is in the case

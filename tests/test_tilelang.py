@@ -210,7 +210,7 @@ def test_gpu_out_of_range_slots_are_skipped():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("due", ["all", "some"])
-def test_gpu_several_chunks_and_rounds(due):
+def test_gpu_several_scan_steps_and_rounds(due):
     """600 rows x 32 heads: the ranking spans two chunks of 512 rows, and with every program due (19200 > 132 CTAs
     x 128 list entries) two ranking rounds; every due program is flushed once and passes the criterion."""
     _skip_unless_served(32, "kda")

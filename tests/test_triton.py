@@ -48,10 +48,10 @@ def _judge(case: families.Case, out) -> criterion.Verdict:
 # ---- what is specific to this backend: the ranking's chunks, repeated calls, the kernels' constants -----------------
 # (every family, random geometries, the poisoned pool's footprint and padding rows: tests/test_conformance.py)
 @pytest.mark.parametrize("heads", [1, 64])
-def test_due_list_spans_chunks(heads):
-    """Rows x heads beyond one chunk of the due scan (and 1 head): a few due programs scattered over every chunk
+def test_due_list_spans_scan_steps(heads):
+    """Rows x heads beyond one step of the due scan (and 1 head): a few due programs scattered over every step
     are each flushed once; everything else stays untouched."""
-    rows = launch.CHUNK // heads + 3                                 # two chunks (or more with one head)
+    rows = launch.SCAN_FLAGS // heads + 3                            # two scan steps (or more with one head)
     pool = Pool(rows + 2, heads, device=DEVICE, gate="gdn")
     fill_noise(pool, seed=heads)
     pool.hcnt.fill_(L - 1)

@@ -27,10 +27,10 @@ RESIDENT: dict = {}
 def launch(kernel, warps, bv, pool, idx, tk, hk):
     """One launch of ``kernel``: a persistent grid (the programs resident at once) when it takes ``num_rows``, else
     one program per (row, head)."""
-    raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
+    pb = pool_buffers(pool)
     qkv, a, b, out = tk
-    head = (raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt, idx, qkv, a, b,
-            A_LOG, DT, out)
+    head = (pb.raw, pb.raw.view(torch.uint8), pb.raw.view(torch.float16), pb.kbuf, pb.ubuf, pb.w, pb.gate_state,
+            pb.gbuf, pb.hcnt, idx, qkv, a, b, A_LOG, DT, out)
     tail = (pool.num_slots, slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
     meta = dict(H=pool.num_heads, HK=hk, IS_KDA=pool.gate == "kda", BETA_BF16=True, num_warps=warps, num_stages=1,
                 **bv)

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from ..criterion import ABS_BOUND, REL_FLOOR, REL_SLACK
-from ..numerics import EPS, FP16_MAX, GS_ABS_FLOOR, QMAX, K, L, R, V
+from ..numerics import DEFAULT_HEADS, EPS, FP16_MAX, GS_ABS_FLOOR, QMAX, K, L, R, V
 
 HERE = Path(__file__).parent
 BATCHES = (16, 32, 64, 128, 256, 512)
@@ -100,7 +100,7 @@ _OUT = {
     "u": {"shape": ["batch_size", "num_heads", "R", "K"], "dtype": "float16"},
     "q": {"shape": ["batch_size", "num_heads", "R", "V"], "dtype": "float16"},
 }
-_AXES = {"batch_size": {"type": "var"}, "num_heads": {"type": "const", "value": 32},
+_AXES = {"batch_size": {"type": "var"}, "num_heads": {"type": "const", "value": DEFAULT_HEADS},
          "V": {"type": "const", "value": V}, "K": {"type": "const", "value": K},
          "L": {"type": "const", "value": L}, "R": {"type": "const", "value": R}}
 def _sci(x: float) -> str:

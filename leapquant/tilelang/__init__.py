@@ -12,6 +12,7 @@ row count as run-time sizes, so one build serves every pool and batch of that ge
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -38,9 +39,19 @@ REQUIRED_TILELANG = {"0.1.12": "gpu", "0.1.13": "build", "0.1.14": "build", "0.1
 ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
 _KERNELS: dict[FlushConfig, object] = {}
-#: per pool: (the argument check's record they were last found current with, the buffers the arguments were made
-#: from, their addresses, the kernel configuration, the kernel's pool arguments), see _call_args
-_ARGS: "weakref.WeakKeyDictionary[Pool, tuple]" = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class _PoolArgs:
+    """A pool's part of the kernel's arguments (see :func:`_call_args`) and what they were made from."""
+    record: object          # the argument check's record they were last found current with (None: not checked)
+    buffers: tuple          # the pool's buffers the arguments were made from
+    addresses: tuple        # where their data started then
+    cfg: FlushConfig        # the kernel configuration
+    args: tuple             # the kernel's pool arguments
+
+
+_ARGS: "weakref.WeakKeyDictionary[Pool, _PoolArgs]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -186,17 +197,16 @@ def _call_args(pool: Pool) -> tuple[FlushConfig, tuple]:
     them by the argument check's record (:func:`leapquant.validate.checked_record`) without looking at the buffers
     again."""
     cached = _ARGS.get(pool)
-    if cached is not None and cached[0] is not None and cached[0] is checked_record(pool):
-        return cached[3], cached[4]
+    if cached is not None and cached.record is not None and cached.record is checked_record(pool):
+        return cached.cfg, cached.args
     buffers = (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.hcnt,
                *((pool.pcum, pool.gbuf) if pool.gate == "kda" else (pool.p,)))
     cfg = config_for(pool)
     record = checked_record(pool)
-    if cached is not None and cached[3] == cfg:
-        ok, kept = binding_current(pool, cached[0], cached[1], cached[2], buffers)
+    if cached is not None and cached.cfg == cfg:
+        ok, cached.record = binding_current(pool, cached.record, cached.buffers, cached.addresses, buffers)
         if ok:
-            _ARGS[pool] = (kept,) + cached[1:]
-            return cached[3], cached[4]
+            return cached.cfg, cached.args
     dev, raw = pool.device, pool.raw
     if pool.gate == "kda":
         pcum, gbuf, p = pool.pcum, pool.gbuf, torch.ones(1, 1, dtype=torch.float32, device=dev)
@@ -206,7 +216,7 @@ def _call_args(pool: Pool) -> tuple[FlushConfig, tuple]:
         p = pool.p
     args = (raw.view(torch.int32), raw, raw.view(torch.float16), pool.kbuf, pool.ubuf, pool.w, pcum, gbuf, p,
             pool.hcnt)
-    _ARGS[pool] = (record, buffers, buffer_addresses(buffers), cfg, args)
+    _ARGS[pool] = _PoolArgs(record, buffers, buffer_addresses(buffers), cfg, args)
     return cfg, args
 
 

@@ -35,7 +35,7 @@ class PoolTensors:
 
 @dataclass(frozen=True)
 class RankingBuffers:
-    """The ranking's shared memory: the chunk's slots, its due-flag mask words, the warps' counts, this CTA's list of
+    """The ranking's shared memory: the scan step's slots, its due-flag mask words, the warps' counts, this CTA's list of
     due programs (slot * H + head); and the running count of ranked programs (a register)."""
     slot_s: object
     mask_s: object

@@ -37,7 +37,7 @@ PRO_WORDS = 48                  #: "prologue" words per CTA: 24 int64 stamps
 PRO_GROUP = ("first inputs landed", "first staged", "barrier after staging", "program 0 starts", "program 1 starts",
              "program 2 starts (if any)", "loop end")
 #: the "prologue" build's CTA-wide milestones from stamp 16 on: before the ranking, then after each of the ranking's
-#: first three barriers (of the call's last chunk of rows)
+#: first three barriers (of the ranking's last scan step)
 PRO_RANKING = ("q0 and token padding", "idx landed (slots)", "hcnt landed (ballots)", "counts scanned")
 #: largest grid whose stamps fit the header
 MAX_STAMPED_CTAS = (OFF - CTA_WORD) // max(CTA_WORDS, PRO_WORDS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import ALIGN_BYTES, CHECKPOINT_BYTES, CHECKPOINT_WORDS, GATES, TOK_BYTE, TOK_ROW
-from ..numerics import K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, V
+from ..numerics import CODE_SIGN, K, L, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, R, V
 
 F32, F16, BF16, I32, U32, I64 = "float32", "float16", "bfloat16", "int32", "uint32", "int64"
 
@@ -74,9 +74,9 @@ P_SPLIT_COLS = 2 * R
 P_SPLIT_STRIDE = P_SPLIT_COLS + 1
 
 # ---- orthonormalisation --------------------------------------------------------------------------------------------
-#: The program loop lays CholeskyQR (leapquant.numerics: passes and pivot floors) into five windows between group
-#: barriers: P's one pass (two windows), Q's two passes (three windows); the staging warps fill the windows.
-assert P_CHOLQR_PASSES == 1 and Q_CHOLQR_PASSES == 2, "the program loop's staging windows are laid out for 1 + 2 passes"
+#: The program loop lays CholeskyQR (leapquant.numerics: passes and pivot floors) into five intervals between group
+#: barriers: P's one pass (two intervals), Q's two passes (three intervals); the staging warps fill the intervals.
+assert P_CHOLQR_PASSES == 1 and Q_CHOLQR_PASSES == 2, "the program loop's staging intervals are laid out for 1 + 2 passes"
 GRAM_ENTRIES = R * (R + 1) // 2         # 10: the lower triangle of the 4 x 4 Gram matrix, packed row by row
 GRAM_SLOT = 12                          # one warp's Gram partial in shared memory, padded to three 16-byte chunks
 
@@ -104,7 +104,7 @@ WINDOW_CHUNKS = L * K // CHUNK_HALVES   # 256 such chunks in an [L, 128] 16-bit 
 CODES_PER_WORD = WORD_BYTES             # int8 codes read and written as int32 words
 CODE_WORDS_PER_ROW = K // CODES_PER_WORD
 TILE_WORDS = TILE // CODES_PER_WORD     # 2: the code words of one row of a thread's tile
-CODE_SIGN_BITS = 0x80808080             # XOR of a code word: every int8 code + 128 as an unsigned byte (lq_code)
+CODE_SIGN_BITS = CODE_SIGN * 0x01010101  # XOR of a code word: every int8 code + 128 as an unsigned byte (lq_code)
 QMAXF = float(QMAX)
 #: A group's next program's inputs (checkpoint, window, gate: ~32 KB) are copied into its shared-memory prefetch
 #: buffers by cp.async, 16-byte chunks, while the current program is flushed; the staging then reads shared memory.
@@ -119,8 +119,8 @@ assert CHECKPOINT_BYTES == TOK_BYTE + 2 * R * TOK_ROW and R == 4 and V == K == 1
 assert L // CHUNK_WORDS <= WARP and K // CHUNK_WORDS <= WARP
 
 # ---- ranking -------------------------------------------------------------------------------------------------------
-#: due flags ranked per chunk of the call's rows: one 32-program mask word per CTA thread
-PROGRAMS_PER_CHUNK = CTA_THREADS * WARP
+#: due flags ranked per step of the scan over the call's rows: one 32-program mask word per CTA thread
+PROGRAMS_PER_SCAN_STEP = CTA_THREADS * WARP
 #: due programs one CTA keeps per ranking round (512 B of shared memory); a call with more than
 #: grid * LIST_CAP due programs (more than 528 rows of 32 heads on 132 SMs) ranks again for the next round
 LIST_CAP = 128
@@ -158,8 +158,8 @@ class FlushConfig:
         return self.gate == "kda"
 
     @property
-    def rows_per_chunk(self) -> int:
-        return PROGRAMS_PER_CHUNK // self.num_heads
+    def rows_per_scan_step(self) -> int:
+        return PROGRAMS_PER_SCAN_STEP // self.num_heads
 
     @property
     def target(self) -> dict:
@@ -180,7 +180,7 @@ def shared_bytes(cfg: FlushConfig) -> int:
                      + L * (K + V) // HALVES_PER_WORD + L + K)  # kbuf, ubuf, w, pcum (GDN: p)
     if cfg.kda:
         per_group += 4 * L * K // HALVES_PER_WORD   # and gbuf
-    scan = 4 * (cfg.rows_per_chunk + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
+    scan = 4 * (cfg.rows_per_scan_step + CTA_THREADS + CTA_WARPS + LIST_CAP + 4)
     return GROUPS * per_group + 4 * V * R + scan
 
 

@@ -16,7 +16,7 @@ of each:
     (2) project         project.project_t (S^T x for x = q0, then Q) and project.project (S x for x = P, tensor cores),
                         partials reduce-scattered over lanes into reduction planes, summed by project.sum_partials
     (3) orthonormalise  orthonormalise.gram + orthonormalise.cholesky: CholeskyQR on warps 0-3, one row per thread;
-                        one pass for P, two for Q (leapquant.numerics), in five windows between group barriers in
+                        one pass for P, two for Q (leapquant.numerics), in five intervals between group barriers in
                         which warps 4-7 stage the next program
     (4) tokens          encode.tokens: u = fp16(clamp(U^T)), q = fp16(Q^T) to the pool and as mma operands
     (5) residual        encode.residual: E = S - q^T u on the tensor cores (exact fp16 products)
@@ -132,7 +132,7 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
                         idx: T.Tensor((N,), I32)):
         with T.Kernel(G, threads=CTA_THREADS, prelude=prelude(cfg.clock)) as bid:
             # ranking
-            slot_s = T.alloc_shared((cfg.rows_per_chunk,), I32)
+            slot_s = T.alloc_shared((cfg.rows_per_scan_step,), I32)
             mask_s = T.alloc_shared((CTA_THREADS,), U32)
             wsum_s = T.alloc_shared((CTA_WARPS,), I32)
             dlist = T.alloc_shared((LIST_CAP,), I32)
@@ -256,8 +256,8 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
                         ph.rebuild(sh, th, S, cw)
                         clock.segment("rebuild")
                         # P = orth(S^T q0), Q = orth(S P): CholeskyQR on warps 0-3 (one row per thread) in five
-                        # windows between group barriers; meanwhile warps 4-7 stage the next program (its copies were
-                        # issued before the rebuild): the cheap pieces in the first window (the copies may still be
+                        # intervals between group barriers; meanwhile warps 4-7 stage the next program (its copies were
+                        # issued before the rebuild): the cheap pieces in the first interval (the copies may still be
                         # landing), the keys' halves in the next two, the window's reset in the last (the fastest of
                         # seven placements, H200: docs/design-tilelang.md)
                         ph.project_t(sh, th, S, q0_s, 0)
@@ -288,17 +288,17 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
                             T.sync_threads(stage_bar, STAGE_THREADS)    # every staging thread's copies landed
                             ph.stage_column(cfg, pf, sh, g, st)
                             ph.stage_row(pf, sh, g, st)
-                        clock.segment("window 1: P's Gram | stage scales, gate, tokens")
+                        clock.segment("interval 1: P's Gram | stage scales, gate, tokens")
                         T.sync_threads(bar, GROUP_THREADS)
-                        clock.segment("barrier: window 1")
+                        clock.segment("barrier: interval 1")
                         if t < V:
                             ph.cholesky(sh, th, x4, 0)
                             ph.store_basis(pv_s, th, x4, True)
                         elif more:
                             ph.stage_window_half(cfg, pf, sh, g, st, 1)
-                        clock.segment("window 2: P's factor | stage newer keys")
+                        clock.segment("interval 2: P's factor | stage newer keys")
                         T.sync_threads(bar, GROUP_THREADS)
-                        clock.segment("barrier: window 2")
+                        clock.segment("barrier: interval 2")
                         ph.project(sh, th, S)
                         clock.segment("project (S P)")
                         T.sync_threads(bar, GROUP_THREADS)      # S P's partials (all 8 warps) before warps 0-3 sum them
@@ -308,24 +308,24 @@ def _trace(cfg: FlushConfig, phases: Phases | None = None):
                             ph.gram(sh, th, x4, 0)
                         elif more:
                             ph.stage_window_half(cfg, pf, sh, g, st, 0)
-                        clock.segment("window 3: Q's first Gram | stage older keys")
+                        clock.segment("interval 3: Q's first Gram | stage older keys")
                         T.sync_threads(bar, GROUP_THREADS)
-                        clock.segment("barrier: window 3")
+                        clock.segment("barrier: interval 3")
                         if t < V:
                             ph.cholesky(sh, th, x4, 0)
                             ph.gram(sh, th, x4, 1)
-                        clock.segment("window 4: Q's first factor, second Gram")
+                        clock.segment("interval 4: Q's first factor, second Gram")
                         T.sync_threads(bar, GROUP_THREADS)
-                        clock.segment("barrier: window 4")
+                        clock.segment("barrier: interval 4")
                         if t < V:
                             ph.cholesky(sh, th, x4, 1)
                             ph.store_basis(qv_s, th, x4, False)
                         elif more:
                             ph.window_live(cfg, pf, sh, g, st, live)
                             ph.window_reset(cfg, pool, nxt // H, nxt % H, st, STAGE_THREADS, live[0] != 0)
-                        clock.segment("window 5: Q's second factor | window reset")
+                        clock.segment("interval 5: Q's second factor | window reset")
                         T.sync_threads(bar, GROUP_THREADS)
-                        clock.segment("barrier: window 5")
+                        clock.segment("barrier: interval 5")
                         # U = S^T Q, the fp16 tokens
                         ph.project_t(sh, th, S, qv_s, g)
                         clock.segment("project_t (S^T Q)")

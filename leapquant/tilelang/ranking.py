@@ -15,21 +15,21 @@ from .config import CHUNK_WORDS, CTA_THREADS, CTA_WARPS, I32, LIST_CAP, U32, WAR
 def ranking(cfg, pool, rk, rank_lo, bid, tx, clock):
     """Rank the due programs of the call; keep those with rank = bid (mod grid) and rank in
     [rank_lo, rank_lo + grid * LIST_CAP) in ``rk.dlist`` (slot * H + head). ``rk.ranked[0]`` ends as the total count.
-    The rows are taken a chunk at a time: one 32-program mask word per CTA thread. (``clock``: the prologue build's
-    stamps after the chunk's first three barriers.)"""
+    The rows are taken a scan step at a time: one 32-program mask word per CTA thread. (``clock``: the prologue build's
+    stamps after the step's first three barriers.)"""
     H = cfg.num_heads
     G = cfg.num_sms
-    CHUNK_ROWS = cfg.rows_per_chunk
-    SLOTS_PER_THREAD = CHUNK_ROWS // CTA_THREADS
-    WORDS_PER_WARP = CTA_THREADS // CTA_WARPS   # mask words built by one warp per chunk (32)
+    STEP_ROWS = cfg.rows_per_scan_step
+    SLOTS_PER_THREAD = STEP_ROWS // CTA_THREADS
+    WORDS_PER_WARP = CTA_THREADS // CTA_WARPS   # mask words built by one warp per step (32)
     HCNT_VEC = CHUNK_WORDS                      # fill counters per 16-byte load (H is a multiple of 4)
     idx, hcnt, n_rows, num_slots = pool.idx, pool.hcnt, pool.n_rows, pool.num_slots
     slot_s, mask_s, wsum_s, dlist, ranked = rk.slot_s, rk.mask_s, rk.wsum_s, rk.dlist, rk.ranked
     lane = tx % WARP
     warp = tx // WARP
     ranked[0] = 0
-    for chunk in T.serial(T.ceildiv(n_rows, CHUNK_ROWS)):
-        row0 = chunk * CHUNK_ROWS
+    for scan_step in T.serial(T.ceildiv(n_rows, STEP_ROWS)):
+        row0 = scan_step * STEP_ROWS
         for i in T.unroll(SLOTS_PER_THREAD):
             n = row0 + i * CTA_THREADS + tx
             s = idx[T.min(n, n_rows - 1)]

@@ -51,7 +51,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ..layout import CODES_BYTE, OFF, REGION_ALIGN_WORDS, REGION_WORDS, SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
-from ..numerics import EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC, K, L, R, V
+from ..numerics import CODE_SIGN, EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC, K, L, R, V
 from .cholesky import cholesky4
 from .gluon_pool import PoolRefs, aggregate
 
@@ -89,9 +89,9 @@ _RINT_MAGIC = gl.constexpr(RINT_MAGIC)
 #: B = (1 + 2^-8) A saves the FADD but leaves code 0 at B's rounding error instead of 0: an all-zero state (zero codes,
 #: positive scales: a caller's checkpoint can be so) then decodes to ~1e-8 noise, which the criterion rejects
 _CODE_SCALE = gl.constexpr(2.0 ** 15 / QMAX)
-_CODE_SHIFT = gl.constexpr(1.0 + 2.0 ** -8)
+_CODE_SHIFT = gl.constexpr(1.0 + CODE_SIGN * 2.0 ** -15)
 _CODE_BYTES_ASM = gl.constexpr(
-    "{ .reg .b32 t, one; xor.b32 t, $2, 0x8080; mov.b32 one, 0x3F800000; "
+    f"{{ .reg .b32 t, one; xor.b32 t, $2, {CODE_SIGN * 0x0101:#x}; mov.b32 one, 0x3F800000; "
     "prmt.b32 $0, t, one, 0x7604; prmt.b32 $1, t, one, 0x7614; }")
 _BYTE = gl.constexpr(0xFF)
 
@@ -266,14 +266,14 @@ def _mul(a, b):
 # ---- ranking -------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
-              CHUNK: gl.constexpr, TW: gl.constexpr):
+              SCAN_FLAGS: gl.constexpr, TW: gl.constexpr):
     """Rank the call's due programs in flag order (row, head) and write the code ``slot * H + head`` of each one whose
     rank r is ``pid (mod G)`` to ``due[r]``; return their total. As the tl kernel's ranking, with a [rows, HP] tile of
     TW lanes along the heads (TW = min(HP, 32))."""
     FLAGS: gl.constexpr = gl.BlockedLayout([1, HP // TW], [32 // TW, TW], [gl.num_warps(), 1], [1, 0])
-    NROWS: gl.constexpr = CHUNK // HP
+    SCAN_ROWS: gl.constexpr = SCAN_FLAGS // HP
     heads = gl.arange(0, HP, layout=gl.SliceLayout(0, FLAGS))
-    rows0 = gl.arange(0, NROWS, layout=gl.SliceLayout(1, FLAGS))
+    rows0 = gl.arange(0, SCAN_ROWS, layout=gl.SliceLayout(1, FLAGS))
     total = 0
     r0 = 0
     while r0 < N:
@@ -292,7 +292,7 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: gl.constexpr, HP
             rank = total + before[:, None] + gl.associative_scan(due, 1, _add) - 1
             gl.store(due_ptr + rank, slot[:, None] * H + heads[None, :], mask=(due > 0) & (rank % G == pid))
         total += n
-        r0 += NROWS
+        r0 += SCAN_ROWS
     return total
 
 
@@ -811,12 +811,12 @@ def _flush_item(staged, xb, new_s, q0_s, pool, code, code_next, has_next, E_prev
 @gluon.jit(do_not_specialize=["N", "num_slots", "SS"], do_not_specialize_on_alignment=["q0_ptr", "idx_ptr"])
 def flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, idx_ptr, hcnt_ptr,
               due_ptr, N, num_slots, SS, H: gl.constexpr, HP: gl.constexpr, G: gl.constexpr,
-              IS_KDA: gl.constexpr, CHUNK: gl.constexpr, TW: gl.constexpr):
+              IS_KDA: gl.constexpr, SCAN_FLAGS: gl.constexpr, TW: gl.constexpr):
     """Persistent program ``pid`` of ``G`` (8 warps): ranks the due programs, then flushes its items pid, pid + G,
     ..., each item's inputs copied into shared memory while the previous one computes. The arguments of the tl
     kernel (tl_kernel._flush_due), plus TW (lanes along the heads in the ranking: min(HP, 32))."""
     pid = gl.program_id(0)
-    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK, TW)
+    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, SCAN_FLAGS, TW)
     # every thread reads the list entries other threads of this program wrote in the ranking's last step: the barrier
     # makes those global stores visible to them (without it a warp could read an entry before its writer stored it:
     # under compute-sanitizer's racecheck, which reorders warps, the flush then rewrote programs that were not due)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,7 +25,7 @@ from .tl_kernel import INTERPRETED
 #: argument of both kernels. On a GPU one step covers batch 256 x 32 heads, all its loads in flight at once (each step
 #: costs two dependent trips to memory: idx, then the fill counters); under the interpreter a short step lets the CPU
 #: tests span several steps at small sizes
-CHUNK = 1024 if INTERPRETED else 8192
+SCAN_FLAGS = 1024 if INTERPRETED else 8192
 #: rows a call may carry before the workspace must grow (growing allocates: done outside graph capture only)
 MIN_ROW_CAPACITY = 1024
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
@@ -109,7 +110,7 @@ class _Workspace:
     raw_f16: torch.Tensor
     kernel: str = "tl"             # "mma" or "tl" (kernel_name_for)
     programs: int = 0              # persistent programs resident at once (0: not bound yet)
-    buffers: tuple = ()            # the pool tensors the launch is bound to (re-bound when the caller swaps one)
+    buffers: tuple = ()            # PoolBuffers the launch is bound to (re-bound when the caller swaps one)
     addresses: tuple = ()          # where their data started when bound (re-bound when that moves)
     checked: object = None         # validate.checked_record(pool) when the binding was last found current
     launch: object = None          # launch(*kernel parameters): the compiled kernel's launcher, or the JIT's
@@ -133,19 +134,31 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
     return ws
 
 
-def pool_buffers(pool: Pool) -> tuple:
-    """The pool tensors a launch reads, in the kernel's order (GDN passes p twice: gbuf is a placeholder there)."""
+class PoolBuffers(NamedTuple):
+    """The pool tensors a launch reads, in the kernels' argument order. ``gate_state`` is KDA's pcum or GDN's p; GDN
+    has no gbuf, and its p stands in there (the kernels' signature has both; a GDN kernel never reads it)."""
+    raw: torch.Tensor
+    kbuf: torch.Tensor
+    ubuf: torch.Tensor
+    w: torch.Tensor
+    gate_state: torch.Tensor
+    gbuf: torch.Tensor
+    hcnt: torch.Tensor
+
+
+def pool_buffers(pool: Pool) -> PoolBuffers:
+    """The pool's :class:`PoolBuffers`."""
     kda = pool.gate == "kda"
-    return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum if kda else pool.p, pool.gbuf if kda else pool.p,
-            pool.hcnt)
+    return PoolBuffers(pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum if kda else pool.p,
+                       pool.gbuf if kda else pool.p, pool.hcnt)
 
 
-def flush_args(pool: Pool, buffers: tuple, raw_u8: torch.Tensor, raw_f16: torch.Tensor, due: torch.Tensor,
+def flush_args(pool: Pool, buffers: PoolBuffers, raw_u8: torch.Tensor, raw_f16: torch.Tensor, due: torch.Tensor,
                q0: torch.Tensor, idx: torch.Tensor) -> tuple:
     """Run-time arguments of either kernel (same order) for a call with ``idx``: ``buffers`` from
     :func:`pool_buffers`, raw's uint8 and fp16 views, ``due`` the workspace list int32 [>= len(idx) * H]."""
-    raw, kbuf, ubuf, w, gate, gbuf, hcnt = buffers
-    return (raw, raw_u8, raw_f16, kbuf, ubuf, w, gate, gbuf, q0, idx, hcnt, due,
+    b = buffers
+    return (b.raw, raw_u8, raw_f16, b.kbuf, b.ubuf, b.w, b.gate_state, b.gbuf, q0, idx, b.hcnt, due,
             idx.numel(), pool.num_slots, slot_stride(pool.num_heads))
 
 
@@ -156,7 +169,7 @@ def _flush_args(pool: Pool, ws: _Workspace, q0: torch.Tensor, idx: torch.Tensor)
 def flush_meta(pool: Pool, kernel: str, programs: int) -> dict:
     """Compile-time arguments and launch options of ``kernel`` for a grid of ``programs``."""
     hp = triton.next_power_of_2(pool.num_heads)
-    meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda", CHUNK=CHUNK)
+    meta = dict(H=pool.num_heads, HP=hp, G=programs, IS_KDA=pool.gate == "kda", SCAN_FLAGS=SCAN_FLAGS)
     if kernel == "mma":
         return dict(meta, TW=min(hp, 32), num_warps=_gluon_kernel().WARPS, num_stages=1)
     return dict(meta, num_warps=tl_kernel.WARPS, num_stages=1)
@@ -292,8 +305,9 @@ def _step_pool_args(pool: Pool) -> tuple:
     cached = _STEP_ARGS.get(pool)
     if cached is not None and record is not None and cached[0] is record:
         return cached[1]
-    raw, kbuf, ubuf, w, gate, gbuf, hcnt = pool_buffers(pool)
-    args = (raw, raw.view(torch.uint8), raw.view(torch.float16), kbuf, ubuf, w, gate, gbuf, hcnt)
+    b = pool_buffers(pool)
+    args = (b.raw, b.raw.view(torch.uint8), b.raw.view(torch.float16), b.kbuf, b.ubuf, b.w, b.gate_state, b.gbuf,
+            b.hcnt)
     if record is not None:
         _STEP_ARGS[pool] = (record, args)
     return args

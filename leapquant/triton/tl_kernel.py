@@ -5,7 +5,7 @@ where the Gluon kernel (:mod:`leapquant.triton.gluon_kernel`, 3x faster on the H
 (:mod:`leapquant.triton.launch`) chooses between the two and gives both the same arguments, workspace and grid.
 
 A fixed grid of ``G`` persistent programs. Each first ranks the call's due programs itself (:func:`_rank_due`: every
-(row, head) flag of ``idx`` in flag order, ``CHUNK`` flags per step, a prefix count) and writes the ones whose rank is
+(row, head) flag of ``idx`` in flag order, ``SCAN_FLAGS`` flags per step, a prefix count) and writes the ones whose rank is
 ``pid (mod G)`` into its own entries of a workspace list indexed by rank; then it flushes them. Every program ranks
 alike, so the split is balanced (+-1 item) however unevenly the due programs are spread over the rows, and no program
 waits for another; a call with nothing due is this one launch.
@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..layout import CODES_BYTE, OFF, REGION_ALIGN_WORDS, REGION_WORDS, SK_WORD, SV_WORD, TOK_HALF, TOK_ROW
-from ..numerics import (CODE_BIAS, CODE_BIAS_BITS, EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX, RINT_MAGIC,
-                        K, L, R, V)
+from ..numerics import (CODE_BIAS, CODE_BIAS_BITS, CODE_SIGN, EPS, FP16_MAX, P_CHOLQR_PASSES, Q_CHOLQR_PASSES, QMAX,
+                        RINT_MAGIC, K, L, R, V)
 from .cholesky import cholesky4
 
 assert R == 4, "the kernel unrolls the rank-4 subspace iteration by hand"
@@ -71,7 +71,7 @@ _TOK_HALF = _const(TOK_HALF)
 _RINT_MAGIC = _const(RINT_MAGIC)
 #: a code byte b (unsigned view) as a float, exactly: (b ^ 0x80) is code + 128 in 0..255 (leapquant.numerics.CODE_BIAS)
 _CODE_BIAS_BITS = _const(CODE_BIAS_BITS)
-_CODE_SIGN = _const(0x80)
+_CODE_SIGN = _const(CODE_SIGN)
 _CODE_OFFSET = _const(CODE_BIAS)
 _BYTE = _const(0xFF)
 _ALIGN = _const(REGION_ALIGN_WORDS)
@@ -80,19 +80,19 @@ _ALIGN = _const(REGION_ALIGN_WORDS)
 # ---- ranking: each persistent program finds its own due programs -------------------------------------------------
 @triton.jit
 def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
-              CHUNK: tl.constexpr):
+              SCAN_FLAGS: tl.constexpr):
     """Rank the call's due programs in flag order (row, head) and write the code ``slot * H + head`` of each one whose
     rank r is ``pid (mod G)`` to ``due[r]``; return their total (int32).
 
     idx int32 [N] (slot per row; 0, negative or >= num_slots: skip), hcnt int32 [NS, H], due int32 [>= N * H]; HP =
     H rounded up to a power of two. Each rank has one writer and one reader, the same program: no program waits for
     another."""
-    ROWS: tl.constexpr = CHUNK // HP
+    SCAN_ROWS: tl.constexpr = SCAN_FLAGS // HP
     heads = tl.arange(0, HP)
     total = 0
     r0 = 0
     while r0 < N:
-        rows = r0 + tl.arange(0, ROWS)
+        rows = r0 + tl.arange(0, SCAN_ROWS)
         slot = tl.load(idx_ptr + rows, mask=rows < N, other=0)
         # out-of-range slots are skipped (under graph capture the API cannot check idx values)
         ok = (rows < N) & (slot > 0) & (slot < num_slots)
@@ -105,7 +105,7 @@ def _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H: tl.constexpr, HP
             rank = total + (tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(due, 1) - 1
             tl.store(due_ptr + rank, slot[:, None] * H + heads[None, :], mask=(due > 0) & (rank % G == pid))
         total += n
-        r0 += ROWS
+        r0 += SCAN_ROWS
     return total
 
 
@@ -363,16 +363,16 @@ def _flush_program(codes_p, sk_p, sv_p, tok, kb, ub, wp, gb, gp, gate_ptr, prog,
 @triton.jit(do_not_specialize=["N", "num_slots", "SS"], do_not_specialize_on_alignment=["q0_ptr", "idx_ptr"])
 def _flush_due(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, q0_ptr, idx_ptr, hcnt_ptr,
                due_ptr, N, num_slots, SS, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
-               IS_KDA: tl.constexpr, CHUNK: tl.constexpr):
+               IS_KDA: tl.constexpr, SCAN_FLAGS: tl.constexpr):
     """Persistent program ``pid`` of ``G`` (the grid): ranks the due programs (:func:`_rank_due`), then flushes its
     items pid, pid + G, ... of them. H (heads) and G are compile-time: the ranking's tile is rows x HP and its
     remainder by G a multiplication and shifts (a run-time divisor costs ~20 instructions per flag).
 
     raw as fp32 / int8 / fp16 pointers (one buffer), the window tensors of the pool (gate_ptr: pcum fp32 [NS, H, K]
     for KDA, p fp32 [NS, H] for GDN; gbuf fp16 [NS, H, L, K], unused for GDN), q0 fp32 [V, R], idx int32 [N],
-    hcnt int32 [NS, H], the workspace list due int32 [>= N * H]; CHUNK: flags ranked per step of the scan."""
+    hcnt int32 [NS, H], the workspace list due int32 [>= N * H]; SCAN_FLAGS: flags ranked per step of the scan."""
     pid = tl.program_id(0)
-    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, CHUNK)
+    total = _rank_due(idx_ptr, hcnt_ptr, due_ptr, N, num_slots, pid, H, HP, G, SCAN_FLAGS)
     tl.debug_barrier()                             # the list entries written by this program's threads, visible to all
     t = pid
     code = tl.load(due_ptr + t, mask=t < total, other=0).to(tl.int64)
