@@ -44,9 +44,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 
+from leapquant.numerics import DEFAULT_HEADS, GATES
+
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 GPU_BACKENDS = ("tilelang", "triton")
-GATES = ("kda", "gdn")
 #: the exit status compute-sanitizer gives when its tool found an error (--error-exitcode); the child never uses it
 SANITIZER_ERROR_EXIT = 86
 #: the child's exit status when the flush ran but its footprint on the pool is wrong
@@ -407,7 +408,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", help="folder for summary.md, summary.json and sanitize.log (required unless --dry-run)")
     ap.add_argument("--merge", action="store_true", help="keep the runs of an earlier invocation in --out")
     ap.add_argument("--rows", type=int, default=32, help="rows of the call, one of them 0 (default 32)")
-    ap.add_argument("--heads", type=int, default=32, help="heads (default 32)")
+    ap.add_argument("--heads", type=int, default=DEFAULT_HEADS, help=f"heads (default {DEFAULT_HEADS})")
     ap.add_argument("--due", type=float, default=2 / 3, help="fraction of the programs due (default 2/3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitized run (default 300)")

@@ -82,7 +82,7 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
 
     On a GPU every call is bracketed by CUDA events. ``capture``: one CUDA graph per slot set holds the call and its
     replay is timed (falls back to the eager call when the capture fails). Unless the call synchronises with the host
-    (``host_sync``), each chunk of launches is queued behind a sleep kernel, so the events measure the GPU's work and
+    (``host_sync``), each batch of launches is queued behind a sleep kernel, so the events measure the GPU's work and
     not the host's launch latency. ``prepare(s)``, when given, restores what a call on set s consumes (a flush's
     windows, a step's fill counts): it runs eagerly before each call, outside the call's events (and outside its graph)."""
     import torch
@@ -133,11 +133,11 @@ def time_calls(call: Callable[[int], None], nsets: int, repeats: int, device, ma
                 torch.cuda.synchronize(dev)
     out = []
     t_end = time.perf_counter() + max_seconds
-    chunk = 32
+    batch = 32                  # launches queued behind one sleep kernel
     r = 0
     try:
         while r < repeats:
-            n = min(chunk, repeats - r)
+            n = min(batch, repeats - r)
             evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
             if not host_sync and hasattr(torch.cuda, "_sleep"):
                 torch.cuda._sleep(10_000_000)         # ~5 ms: keeps the GPU queue ahead of the host's launches

@@ -291,12 +291,14 @@ def device_description(device: torch.device | str | None = None) -> str:
     the CPU's processor. A device this machine lacks raises a ``ValueError``."""
     import torch
     try:
-        device = torch.device(device) if device is not None else default_device()
-        if device.type == "cuda":
-            p = torch.cuda.get_device_properties(device)
+        dev = torch.device(device) if device is not None else default_device()
+        if dev.type == "cuda":
+            p = torch.cuda.get_device_properties(dev)
             return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
     except (RuntimeError, TypeError, AssertionError) as e:     # no such device here (torch's own error types vary)
         raise ValueError(f"device: {device!r} is not a device of this machine ({type(e).__name__}: {e})") from None
+    if dev.type != "cpu":
+        raise ValueError(f"device: {device!r}: leapquant runs on cpu or cuda devices")
     return f"CPU ({platform.processor() or platform.machine()})"
 
 

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from .numerics import DEFAULT_HEADS, EPS, GATES, K, L, QMAX, R, V  # noqa: F401  (the math's sizes and constants, re-exported)
+from .numerics import DEFAULT_HEADS, EPS, FP16_MAX, GATES, K, L, QMAX, R, V  # noqa: F401  (re-exported)
 from .reference import compress, decode_checkpoint, default_q0, pool_writes, rebuild
 
 
@@ -188,14 +188,14 @@ def step_program_bytes(gate: str = "kda") -> int:
 
 
 def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str, int], ...]]],
-          device: torch.device, copy: bool = False) -> list[torch.Tensor]:
+          device: torch.device, keep_apart: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
     """Check and convert arguments before anything is written; raise ``ValueError`` naming the first bad one.
 
     ``items`` are ``(name, value, field, lead)`` with ``lead`` the leading dims as ``(symbol, size)`` pairs. Every
     value's type, dtype and shape are checked first, then all are converted to ``field.dtype`` on ``device`` (a copy
-    where they differ; always with ``copy``, for values that may be views of what the caller then writes: a pool's
-    own slots passed to one of its writers) and their values checked with one host synchronisation for all of them.
-    Returns the converted tensors, in order."""
+    where they differ, and where a value shares memory with one of ``keep_apart``: what the caller then writes, such
+    as a pool's own slots passed to one of its writers) and their values checked with one host synchronisation for all
+    of them. Returns the converted tensors, in order."""
     for name, t, f, lead in items:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -210,7 +210,10 @@ def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str,
         if tuple(t.shape) != shape:
             dims = ", ".join([sym for sym, _ in lead] + list(f.dims))
             raise ValueError(f"{name}: expected shape ({dims}) = {shape}, got {tuple(t.shape)}")
-    staged = [t.detach().to(device, f.dtype, copy=copy) for _, t, f, _ in items]
+    staged = [t.detach().to(device, f.dtype) for _, t, f, _ in items]
+    spans = {str(i): byte_span(b) for i, b in enumerate(keep_apart) if b.device == device}
+    staged = [s.clone() if spans and s.device == device and first_overlap(s, spans) is not None else s
+              for s in staged]
     if not staged:
         return staged
     flags = torch.stack([f.bad_mask(s).any() for s, (_, _, f, _) in zip(staged, items)]).tolist()
@@ -428,7 +431,11 @@ class Pool:
         argument ``name``. The pool's buffers are checked first (:meth:`check_buffers`)."""
         self.check_buffers()
         if not isinstance(slots, (torch.Tensor, list, tuple, range)) and hasattr(slots, "__array__"):
-            slots = torch.as_tensor(slots)              # a numpy array of slot numbers (an engine's slot table)
+            try:                                        # a numpy array of slot numbers (an engine's slot table)
+                slots = torch.tensor(slots)             # (a copy: a read-only array is fine)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{name}: expected integer slot numbers, got an array that torch cannot read "
+                                 f"({type(e).__name__}: {e})") from None
         if isinstance(slots, torch.Tensor):
             if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex():
                 raise ValueError(f"{name}: expected integer slot numbers, got a tensor of dtype {slots.dtype}")
@@ -457,13 +464,17 @@ class Pool:
         """Leading dims of a per-slot argument: (n, H)."""
         return (("n", s.numel()), ("H", self.num_heads))
 
-    def _stage_checkpoint(self, s: torch.Tensor, codes: object, s_k: object, s_v: object, u: object, q: object
-                          ) -> list[torch.Tensor]:
+    def _stage_checkpoint(self, s: torch.Tensor, codes: object, s_k: object, s_v: object, u: object, q: object,
+                          keep_apart: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         lead = self._lead(s)
         given = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q)
-        # copies: a caller may pass views of this pool's own checkpoints (moving slots), which the writes overwrite
         return check_and_convert([(n, given[n], FIELDS[n], lead) for n in CHECKPOINT_FIELDS], self.device,
-                                 copy=True)
+                                 keep_apart)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """raw and the window tensors: what a writer's arguments are kept apart from (a caller may pass views of the
+        pool's own slots, moving them, which the writes would overwrite while they are read)."""
+        return [self.raw, *self.window_tensors().values()]
 
     def _put_checkpoint(self, s: torch.Tensor, codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor,
                         u: torch.Tensor, q: torch.Tensor) -> None:
@@ -480,7 +491,7 @@ class Pool:
         s_k [n, H, K] and s_v [n, H, V] finite and > 0 (stored fp32); u [n, H, R, K] and q [n, H, R, V] finite
         after rounding to fp16. Any floating dtype and any device are accepted for the floating arguments."""
         s = self._slots(slots)
-        self._put_checkpoint(s, *self._stage_checkpoint(s, codes, s_k, s_v, u, q))
+        self._put_checkpoint(s, *self._stage_checkpoint(s, codes, s_k, s_v, u, q, self._buffers()))
 
     def read_checkpoint(self, slots) -> tuple[torch.Tensor, ...]:
         """Fresh copies ``(codes, s_k, s_v, u, q)`` of the checkpoints in ``slots``, shapes as in
@@ -518,7 +529,7 @@ class Pool:
         gate_field = FIELDS["pcum" if self.gate == "kda" else "p"]
         staged = check_and_convert([("kbuf", kbuf, FIELDS["kbuf"], lead), ("ubuf", ubuf, FIELDS["ubuf"], lead),
                         ("w", w, FIELDS["w"], lead), (gate_name, gate, gate_field, lead), *extra], self.device,
-                        copy=True)              # copies: the arguments may be views of this pool's own windows
+                        self._buffers())
         self.kbuf[s], self.ubuf[s], self.w[s] = staged[:3]
         if self.gate == "kda":
             self.pcum[s], self.gbuf[s] = staged[3:]

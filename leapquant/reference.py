@@ -47,9 +47,12 @@ def default_q0(device: torch.device | str = "cpu") -> torch.Tensor:
     q0 = torch.randn(V, R, generator=g, dtype=torch.float64)
     q0 = (q0 / q0.norm(dim=0, keepdim=True)).to(torch.float32)
     try:
-        return q0.to(device)
-    except (RuntimeError, TypeError, AssertionError) as e:     # no such device here (torch's own error types vary)
+        q0 = q0.to(device)
+    except (RuntimeError, TypeError, AssertionError, ImportError) as e:   # no such device here (torch's errors vary)
         raise ValueError(f"device: {device!r} cannot hold q0 ({type(e).__name__}: {e})") from None
+    if q0.device.type == "meta":
+        raise ValueError(f"device: {device!r} holds no data (q0 is read by the flush)")
+    return q0
 
 
 def decode_checkpoint(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,

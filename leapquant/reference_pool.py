@@ -62,7 +62,7 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
 
     Rows whose slot is outside [1, num_slots) get a zero output and write nothing. Each stepped program appends its
     entry h (the fill count, L read as 0): kbuf / ubuf (and KDA gbuf) entry h, ``w[h] = 1`` (GDN: the live weights
-    decayed too), pcum (KDA) or p (GDN), ``hcnt = h + 1``. Loop-free over the rows in chunks of :data:`PROGRAMS_AT_ONCE`
+    decayed too), pcum (KDA) or p (GDN), ``hcnt = h + 1``. Loop-free over the rows in groups of :data:`PROGRAMS_AT_ONCE`
     programs (it reads the valid rows on the host: a synchronisation, as every reference call)."""
     H, Hk = pool.num_heads, num_k_heads
     slots = idx.to(torch.long)

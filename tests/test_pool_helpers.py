@@ -523,6 +523,19 @@ def test_host_integers_of_numpy_are_accepted(gate):
     assert bool((pool.hcnt[torch.tensor(SLOTS)] == 0).all())
     expect_rejected(pool, "write_window", SLOTS, dict(win, fill=np.bool_(True)), r"fill: expected an int")
     expect_rejected(pool, "write_window", np.array([1.0, 3.0]), win, INT_SLOTS)
+    expect_rejected(pool, "write_window", np.array([1, None], dtype=object), win, INT_SLOTS)
+
+
+def test_arguments_are_copied_only_where_they_share_the_pools_memory(gate):
+    """The writers copy an argument already in the pool's dtype and device only when it shares memory with the pool
+    (a restore of many slots from read_checkpoint's fresh copies takes no second copy of them)."""
+    from leapquant.layout import check_and_convert
+    pool = make_pool(gate)
+    lead = (("n", 1), ("H", H))
+    fresh, view = pool.kbuf[1:2].clone(), pool.kbuf[2:3]
+    staged = check_and_convert([("a", fresh, FIELDS["kbuf"], lead), ("b", view, FIELDS["kbuf"], lead)], pool.device,
+                               pool._buffers())
+    assert staged[0].data_ptr() == fresh.data_ptr() and staged[1].data_ptr() != view.data_ptr()
 
 
 def test_encode_names_states_too_large_for_the_format(gate):

@@ -7,7 +7,7 @@ where nvcc or tilelang is absent.
 GPU part (``gpu`` marker, skipped without CUDA): what is specific to this kernel beside the conformance suite
 (tests/test_conformance.py runs every backend, TileLang included, through the families, the deployment sizes, other
 head counts, the footprint at 8 heads, graph replay and the one-launch test): the hard families and the footprint
-at its main geometry of 32 heads, slots out of range through its own launcher, and its ranking over several chunks
+at its main geometry of 32 heads, slots out of range through its own launcher, and its ranking over several scan steps
 and rounds.
 """
 from __future__ import annotations
@@ -211,7 +211,7 @@ def test_gpu_out_of_range_slots_are_skipped():
 @needs_cuda
 @pytest.mark.parametrize("due", ["all", "some"])
 def test_gpu_several_scan_steps_and_rounds(due):
-    """600 rows x 32 heads: the ranking spans two chunks of 512 rows, and with every program due (19200 > 132 CTAs
+    """600 rows x 32 heads: the ranking spans two scan steps of 512 rows, and with every program due (19200 > 132 CTAs
     x 128 list entries) two ranking rounds; every due program is flushed once and passes the criterion."""
     _skip_unless_served(32, "kda")
     from leapquant.bench import CheckData

@@ -2,7 +2,7 @@
 deployment contract for its default kernel are in tests/test_conformance.py).
 
 Without a GPU the tl kernel runs through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): the
-ranking across chunks of the due scan, repeated calls, the kernel's layout constants, the kernel choice; the Gluon
+ranking across steps of the due scan, repeated calls, the kernel's layout constants, the kernel choice; the Gluon
 kernel (the backend's GPU kernel) is built for sm_80 / sm_90 / sm_100 by Triton's own ptxas and its inline assembly
 emulated. With a GPU the ``gpu`` tests judge both kernels (Gluon and tl) at the deployment sizes, and the tl kernel
 (the conformance suite runs the Gluon kernel, the default) replays the call from a CUDA graph with different due sets
@@ -45,7 +45,7 @@ def _judge(case: families.Case, out) -> criterion.Verdict:
     return criterion.judge(S, out, case.reference(), labels=case.labels, name="triton")
 
 
-# ---- what is specific to this backend: the ranking's chunks, repeated calls, the kernels' constants -----------------
+# ---- what is specific to this backend: the ranking's scan steps, repeated calls, the kernels' constants -------------
 # (every family, random geometries, the poisoned pool's footprint and padding rows: tests/test_conformance.py)
 @pytest.mark.parametrize("heads", [1, 64])
 def test_due_list_spans_scan_steps(heads):

@@ -15,7 +15,7 @@ groups and with memory traffic, so the differences are an estimate, not an exact
 ``counts`` compiles the clock-stamp build (``FlushConfig.clock="phases"``, no GPU needed: TileLang and nvcc) and
 counts the SASS instructions between consecutive stamps (each stamp reads SR_CLOCKLO once): the static instructions
 per thread of each segment of the program loop (:func:`leapquant.tilelang.kernel.clock_segments`), with the loops
-(backward branches) in it. A segment whose warps take different branches (the windows: warps 0-3 orthonormalise,
+(backward branches) in it. A segment whose warps take different branches (the intervals: warps 0-3 orthonormalise,
 4-7 stage) counts both paths.
 
 ``ab`` takes kernel generators of several versions: a copy of the package directory leapquant/tilelang/ (e.g.

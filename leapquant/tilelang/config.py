@@ -33,7 +33,7 @@ FIRST_GROUP_BARRIER = 1
 FIRST_STAGE_BARRIER = FIRST_GROUP_BARRIER + GROUPS
 #: warps 0-3 of a group pass a barrier of their own (FIRST_ORTH_BARRIER + group, 128 threads) wherever its staging
 #: warps pass theirs, so that every thread of a group has passed the same number of barriers at each group barrier:
-#: the hardware does not need it, compute-sanitizer's racecheck does (the first staging window in
+#: the hardware does not need it, compute-sanitizer's racecheck does (the first staging interval in
 #: :func:`leapquant.tilelang.kernel.make_flush_func` says why; tests/test_tilelang_sync.py checks the counts on the
 #: generated source)
 FIRST_ORTH_BARRIER = FIRST_STAGE_BARRIER + GROUPS

@@ -6,7 +6,7 @@ previous program's codes are in registers, so the DRAM traffic overlaps the comp
 fetched in two commit groups (:func:`prefetch_first`). The staging then reads only shared memory: scales and gate
 (fp32), old tokens, window values and keys (w_j kbuf_j D_j split into two bf16 parts) as the packed pairs the mma
 fragments read. A round's first program is staged by the whole group (:func:`stage`); every later one by the staging
-warps in the orthonormalisation's windows, piece by piece (:func:`stage_column`, :func:`stage_row`,
+warps in the orthonormalisation's intervals, piece by piece (:func:`stage_column`, :func:`stage_row`,
 :func:`stage_window_half`, :func:`window_reset`).
 
 A program whose window is empty (every weight 0 and no decay: leapquant.reference.empty_window) is not flushed:
