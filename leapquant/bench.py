@@ -610,9 +610,23 @@ def _rerun_interpreted(argv: Sequence[str] | None) -> int:
 def plan_run(args: argparse.Namespace) -> Plan:
     """Resolve the device, the batches and the repeats from ``args``; raise :class:`UsageError` for options that
     cannot run."""
+    from . import dispatch
+    problem = dispatch.env_problem()
+    if problem:
+        raise UsageError(problem)
+    known = (*dispatch.BACKENDS, "auto", "none")
+    for name in args.backends or ():
+        if name.lower() not in known:
+            raise UsageError(f"--backends: unknown backend {name!r} (choose from {', '.join(known)})")
     device = parse_device(args.device)
     if args.rotate < 8:
         raise UsageError("--rotate must be at least 8 (L2-cold timing)")
+    if args.repeats is not None and args.repeats < 1:
+        raise UsageError(f"--repeats must be positive, got {args.repeats}")
+    if not args.max_seconds > 0:
+        raise UsageError(f"--max-seconds must be positive, got {args.max_seconds}")
+    if args.ref_max_batch is not None and args.ref_max_batch < 1:
+        raise UsageError(f"--ref-max-batch must be positive, got {args.ref_max_batch}")
     on_gpu = device.type == "cuda"
     batches = list(dict.fromkeys(args.batch or (DEFAULT_GPU_BATCHES if on_gpu else DEFAULT_CPU_BATCHES)))
     if any(b < 1 for b in batches) or args.heads < 1 or args.check_rows < 1:
@@ -622,7 +636,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--record writes RECORD.png and needs matplotlib (pip install -e '.[bench]')") from None
-    return Plan(device=device, batches=batches, repeats=args.repeats or (100 if on_gpu else 3))
+    return Plan(device=device, batches=batches, repeats=args.repeats if args.repeats is not None else
+                (100 if on_gpu else 3))
 
 
 def build_targets(args: argparse.Namespace, device) -> list[Target]:
@@ -1024,7 +1039,7 @@ def run_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
     try:
         plan = plan_run(args)
     except UsageError as e:
-        print(f"leapquant bench: {e}", file=sys.stderr)
+        print(f"leapquant bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     load = "CPU run: wall-clock timings, not kernel times"
     if plan.on_gpu:
@@ -1050,10 +1065,10 @@ def run_op(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[str] 
 
     from .layout import L, step_program_bytes
     if args.impl:
-        print("leapquant bench: --impl modules are flush implementations (--op flush)", file=sys.stderr)
+        print("leapquant bench: error: --impl modules are flush implementations (--op flush)", file=sys.stderr)
         return EXIT_USAGE
     if any(f < 0 or f >= L for f in args.fill):
-        print(f"leapquant bench: --fill values must be in [0, {L})", file=sys.stderr)
+        print(f"leapquant bench: error: --fill values must be in [0, {L})", file=sys.stderr)
         return EXIT_USAGE
     names = args.backends
     if names is None:

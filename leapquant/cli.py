@@ -109,10 +109,12 @@ def _demo(args: argparse.Namespace) -> int:
     """The main job: decode a batch of sequences through the pool (outputs against the fp64 dense recurrence), then
     flush simulated windows and judge every flush by the criterion. Exit status 1 when a check fails."""
     device = _device(args)
-    if args.backend == "triton" and device.type == "cpu":
+    wanted = args.backend if args.backend is not None else (None if dispatch.env_problem() else dispatch.ENV_BACKEND)
+    if wanted == "triton" and device.type == "cpu":
         # the Triton kernel runs on a CPU through its interpreter, which triton reads when it is first imported
+        # (--backend triton and LEAPQUANT_BACKEND=triton alike)
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise UsageError("--backend triton on a CPU needs TRITON_INTERPRET=1 set before triton is imported")
+            raise UsageError("the triton backend on a CPU needs TRITON_INTERPRET=1 set before triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
 
     import leapquant as lq
@@ -236,6 +238,11 @@ def _demo_flush(args: argparse.Namespace, device, batch: int) -> bool:
 
 
 # ---- the parser ----------------------------------------------------------------------------------------------------
+def _package_version() -> str:
+    from . import __version__
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="leapquant", description="LeapQuant decode-step and flush kernels for compressed KDA / GDN "
                                                    "recurrent states: 'info' lists the backends and why any cannot "
@@ -243,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "'demo' runs the main job, 'bench' checks and times backends. "
                                                    "Bad arguments exit with status 2 and a one-line reason.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the backend choice")
+    parser.add_argument("--version", action="version", version=f"leapquant {_package_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{info,demo,bench}")
 
     p = sub.add_parser("info", help="backends (available or not, with reasons), device, versions",

@@ -339,25 +339,36 @@ def render(results: list[Result], *, device: str, commit: str, command: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m leapquant.e2e``: run both gates (or those asked for), print the table, write it to ``--out``.
-    Exit status 0 when every gate meets the requirement, 1 otherwise."""
+    Exit status 0 when every gate meets the requirement, 1 otherwise, 2 for options that cannot run."""
     parser = argparse.ArgumentParser(prog="python -m leapquant.e2e", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default=None, help="leapquant backend (auto, reference, triton, tilelang; "
-                                                         "default: the dispatch's choice)")
+    parser.add_argument("--backend", default=None, choices=dispatch.CHOICES,
+                        help="leapquant backend (default: the dispatch's choice)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--gates", nargs="+", choices=GATES, default=list(GATES))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--heads", type=int, default=DEFAULT_HEADS)
     parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--last", type=int, default=128)
+    parser.add_argument("--last", type=int, default=None, help="tokens judged, the last of the decode "
+                                                                 "(default 128, or every token of a shorter decode)")
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="markdown file to write the report to")
     parser.add_argument("--commit", default=None, help="commit recorded in the report (default: git of the checkout)")
     args = parser.parse_args(argv)
+    last = args.last if args.last is not None else min(128, args.tokens)
 
-    from .dispatch import device_description
     from .options import UsageError, parse_device
     try:
+        problem = dispatch.env_problem() if args.backend is None else None
+        if problem:
+            raise UsageError(problem)
+        if args.batch < 1 or args.heads < 1 or args.tokens < 1 or args.prefill < 0:
+            raise UsageError("--batch, --heads and --tokens must be positive, --prefill at least 0")
+        if not 1 <= last <= args.tokens:
+            raise UsageError(f"--last must lie in [1, --tokens = {args.tokens}], got {last}")
+        if "gdn" in args.gates and (args.heads < 2 or args.heads % 2):
+            raise UsageError(f"--heads: GDN runs half as many key heads (Qwen3-Next's 16 / 32): an even count >= 2, "
+                             f"got {args.heads}")
         device = parse_device(args.device)
     except UsageError as e:
         print(f"python -m leapquant.e2e: error: {e}", file=sys.stderr)
@@ -366,11 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     for gate in args.gates:
         t0 = time.perf_counter()
         r = simulate(gate, backend=args.backend, device=device, batch=args.batch, heads=args.heads,
-                     tokens=args.tokens, last=args.last, prefill=args.prefill, seed=args.seed)
+                     tokens=args.tokens, last=last, prefill=args.prefill, seed=args.seed)
         print(f"{r.summary()} [{time.perf_counter() - t0:.1f} s, {r.seconds:.1f} s in decode_inplace]", flush=True)
         results.append(r)
     command = "python -m leapquant.e2e " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = render(results, device=device_description(device), commit=args.commit or bench.git_commit(),
+    report = render(results, device=dispatch.device_description(device), commit=args.commit or bench.git_commit(),
                     command=command)
     print(markdown_table(results), end="")
     if args.out:

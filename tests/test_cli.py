@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import leapquant
 from leapquant import cli
 
 HAS_CUDA = torch.cuda.is_available()
@@ -182,13 +183,16 @@ def test_demo_on_the_reference_says_its_verdict_cannot_fail():
 
 
 @pytest.mark.interpreter
-def test_demo_judges_the_triton_kernel_on_a_cpu():
-    """``--backend triton`` on a CPU runs the kernel through Triton's interpreter (the demo turns it on): a verdict
-    that can fail."""
+@pytest.mark.parametrize("how", ["option", "variable"])
+def test_demo_judges_the_triton_kernel_on_a_cpu(how):
+    """``--backend triton`` or ``LEAPQUANT_BACKEND=triton`` on a CPU runs the kernel through Triton's interpreter (the
+    demo turns it on): a verdict that can fail."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = _run("demo", "--device", "cpu", "--backend", "triton", "--batch", "1", "--heads", "2", "--windows", "1",
-               env=env)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LEAPQUANT_BACKEND")}
+    forced = ("--backend", "triton") if how == "option" else ()
+    if how == "variable":
+        env["LEAPQUANT_BACKEND"] = "triton"
+    res = _run("demo", "--device", "cpu", *forced, "--batch", "1", "--heads", "2", "--windows", "1", env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line for line in res.stdout.splitlines() if line.startswith("| 1 ")]
     assert len(rows) == 2 and "triton" in rows[1] and "pass" in rows[1], res.stdout
@@ -234,3 +238,33 @@ def test_demo_rejects_devices_this_machine_lacks():
     _assert_usage_error(_run("demo", "--device", "gpu0"), "--device 'gpu0'")
     if not HAS_CUDA:
         _assert_usage_error(_run("demo", "--device", "cuda"), "CUDA is not available")
+
+
+def test_version():
+    res = _run("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"leapquant {leapquant.__version__}", res
+
+
+@pytest.mark.parametrize("option", [("--backends", "nosuch"), ("--repeats", "0"), ("--repeats", "-3"),
+                                    ("--max-seconds", "-1"), ("--ref-max-batch", "-5")])
+def test_bench_rejects_options_that_cannot_run_before_measuring(option):
+    """A bad name or count is one line naming the option, exit status 2, before anything is measured (not a row of
+    the report, nor a default in its place)."""
+    res = _run("bench", "--device", "cpu", *option)
+    _assert_usage_error(res, "leapquant bench: error:", option[0])
+    assert res.stdout == ""
+
+
+def test_bench_rejects_an_invalid_backend_variable():
+    env = dict(os.environ, LEAPQUANT_BACKEND="nosuch")
+    _assert_usage_error(_run("bench", "--device", "cpu", env=env), "leapquant bench: error:", "LEAPQUANT_BACKEND")
+
+
+@pytest.mark.parametrize("args", [("--batch", "0"), ("--heads", "-1"), ("--heads", "3"), ("--tokens", "0"),
+                                  ("--last", "600")])
+def test_e2e_rejects_options_that_cannot_run(args):
+    """``python -m leapquant.e2e``: exit status 2 and one line for options that cannot run (1 means the accuracy
+    requirement failed)."""
+    res = subprocess.run([sys.executable, "-m", "leapquant.e2e", "--device", "cpu", *args], capture_output=True,
+                         text=True, timeout=300)
+    _assert_usage_error(res, "python -m leapquant.e2e: error:", args[0])

@@ -22,3 +22,17 @@ def test_kda_decode_loop_runs_on_the_cpu():
     for head in ("device:", "backend: reference", "tokens/s:", "output norm:", "check vs dense fp32 recurrence:"):
         assert any(line.startswith(head) for line in lines), (head, proc.stdout)
     assert lines[-1].endswith(": ok"), proc.stdout
+
+
+def test_kda_decode_loop_rejects_options_that_cannot_run():
+    """Exit status 2 and argparse's one-line error for options that cannot run here (exit 1 means the check failed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("TRITON_INTERPRET", None)
+    cases = [("--batch", "0"), ("--tokens", "-1"), ("--backend", "nosuch"), ("--device", "nosuch")]
+    if not __import__("torch").cuda.is_available():
+        cases += [("--device", "cuda"), ("--backend", "triton"), ("--backend", "tilelang")]
+    for args in cases:
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "kda_decode_loop.py"), *args], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr and "error:" in proc.stderr.strip().splitlines()[-1], (args, proc.stderr)
