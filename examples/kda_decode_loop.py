@@ -41,16 +41,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=40, help="decode tokens per sequence (default 40: two flushes)")
     p.add_argument("--heads", type=int, default=8, help="KDA heads of the layer on this GPU (default 8)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--backend", default=None, choices=lq.BACKENDS,
+    p.add_argument("--backend", default=None, choices=("auto", *lq.BACKENDS),
                    help="leapquant backend (default: triton on a GPU, the reference on a CPU)")
     p.add_argument("--eager", action="store_true", help="on a GPU, call eagerly instead of replaying a CUDA graph")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if min(args.batch, args.tokens, args.heads) < 1:
         p.error("--batch, --tokens and --heads must be positive")
-    if args.device not in (None, "cpu") and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        p.error(f"--device {args.device}: {e}")
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         p.error(f"--device {args.device}: this machine runs cpu{' or cuda' if torch.cuda.is_available() else ''}")
-    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    on_cpu = device.type == "cpu"
     if args.backend == "triton" and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--backend triton on a CPU runs Triton's interpreter: set TRITON_INTERPRET=1 before starting (slow: "
                 "e.g. --batch 1 --heads 2 --tokens 17)")

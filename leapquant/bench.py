@@ -612,11 +612,13 @@ def plan_run(args: argparse.Namespace) -> Plan:
     cannot run."""
     from . import dispatch
     problem = dispatch.env_problem()
-    if problem:
+    if problem and args.backends is None:       # (named backends never read the variable)
         raise UsageError(problem)
     known = (*dispatch.BACKENDS, "auto", "none")
+    if args.backends is not None:
+        args.backends = [name.strip().lower() for name in args.backends]
     for name in args.backends or ():
-        if name.lower() not in known:
+        if name not in known:
             raise UsageError(f"--backends: unknown backend {name!r} (choose from {', '.join(known)})")
     device = parse_device(args.device)
     if args.rotate < 8:

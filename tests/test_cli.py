@@ -255,12 +255,16 @@ def test_bench_rejects_options_that_cannot_run_before_measuring(option):
     assert res.stdout == ""
 
 
-def test_bench_rejects_an_invalid_backend_variable():
+def test_bench_rejects_an_invalid_backend_variable_it_would_read():
+    """The variable chooses the backends only where --backends names none; named ones run, spelled in any case."""
     env = dict(os.environ, LEAPQUANT_BACKEND="nosuch")
     _assert_usage_error(_run("bench", "--device", "cpu", env=env), "leapquant bench: error:", "LEAPQUANT_BACKEND")
+    res = _run("bench", "--device", "cpu", "--backends", "Reference", "--batch", "1", "--heads", "2", "--repeats",
+               "1", "--check-rows", "1", "--due", "none", "--gate", "kda", env=env)
+    assert res.returncode == 0 and "| reference | kda | 1 | 2 | none |" in res.stdout, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("args", [("--batch", "0"), ("--heads", "-1"), ("--heads", "3"), ("--tokens", "0"),
+@pytest.mark.parametrize("args", [("--batch", "0"), ("--heads", "-1"), ("--tokens", "0"),
                                   ("--last", "600")])
 def test_e2e_rejects_options_that_cannot_run(args):
     """``python -m leapquant.e2e``: exit status 2 and one line for options that cannot run (1 means the accuracy

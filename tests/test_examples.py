@@ -24,6 +24,15 @@ def test_kda_decode_loop_runs_on_the_cpu():
     assert lines[-1].endswith(": ok"), proc.stdout
 
 
+def test_kda_decode_loop_takes_the_librarys_spellings():
+    """``--device cpu:0`` and ``--backend auto`` mean what they mean to the library."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, str(ROOT / "examples" / "kda_decode_loop.py"), "--device", "cpu:0", "--backend", "auto",
+           "--batch", "1", "--heads", "2", "--tokens", "17"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].endswith(": ok"), proc.stdout + proc.stderr
+
+
 def test_kda_decode_loop_rejects_options_that_cannot_run():
     """Exit status 2 and argparse's one-line error for options that cannot run here (exit 1 means the check failed)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
