@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import dispatch
-from .layout import DEFAULT_HEADS, L, V, Pool
+from .layout import DEFAULT_HEADS, L, V, Field, Pool, check_and_convert
 from .reference import pool_writes
 from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_run_args, check_step_args,
                        check_step_run_args)
@@ -74,12 +74,14 @@ def _scratch_pool(B: int, H: int, device: torch.device, gate: str) -> Pool:
 
 def _run(gate: str, args: dict[str, torch.Tensor], backend: str | None) -> tuple[torch.Tensor, ...]:
     B, H, dev = check_run_args(gate, args)
+    # q0's values too (the functional form reads values on the host anyway): a non-finite start matrix
+    (q0,) = check_and_convert([("q0", args["q0"], Field(("V", "R"), torch.float32), ())], dev)
     pool = _scratch_pool(B, H, dev, gate)
     rows = torch.arange(1, B + 1, device=dev)
     pool.write_checkpoint(rows, args["codes"], args["s_k"], args["s_v"], args["u"], args["q"])
     gate_arg = args["pcum"] if gate == "kda" else args["p"]
     pool.write_window(rows, args["kbuf"], args["ubuf"], args["w"], gate_arg, args.get("gbuf"), fill=L)
-    flush_inplace(pool, rows.to(torch.int32), args["q0"].contiguous(), backend=backend)
+    flush_inplace(pool, rows.to(torch.int32), q0.contiguous(), backend=backend)
     return pool.read_checkpoint(rows)
 
 
@@ -89,8 +91,10 @@ def run(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tens
     """Functional KDA flush, every program due. Leading dims [B, H]:
     codes int8 [B, H, V, K], s_k fp32 [B, H, K], s_v fp32 [B, H, V], u fp16 [B, H, R, K], q fp16 [B, H, R, V],
     kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32 [B, H, L], pcum fp32 [B, H, K],
-    q0 fp32 [V, R]. Returns fresh ``(codes, s_k, s_v, u, q)`` of the same shapes and dtypes (a program whose window
-    is empty, ``reference.empty_window``, gets its own checkpoint back unchanged).
+    q0 fp32 [V, R] (finite; the start matrix's columns near unit norm, as :func:`leapquant.default_q0`'s: the kernels
+    form S^T q0's Gram matrix in fp32, which columns of norm ~1e19 overflow). Returns fresh ``(codes, s_k, s_v, u,
+    q)`` of the same shapes and dtypes (a program whose window is empty, ``reference.empty_window``, gets its own
+    checkpoint back unchanged).
 
     The functional forms (:func:`run`, :func:`run_gdn`, :func:`step`, :func:`step_gdn`) go through a scratch pool of
     ``B + 1`` slots that each thread keeps for its last :data:`SCRATCH_POOLS` shapes: threads may call them at once;
@@ -189,7 +193,10 @@ def _step_run(gate: str, args: dict[str, torch.Tensor], num_k_heads: int | None,
     qkv = torch.cat([args["qx"].reshape(B, -1), args["kx"].reshape(B, -1), args["vx"].reshape(B, -1)], dim=1)
     out = torch.empty(B, H, V, dtype=torch.bfloat16, device=dev)
     # (the rows are the form's own, one slot each; a fill count of L is an input here, not a flush left out)
-    step_inplace(pool, rows.to(torch.int32), qkv, args["a"], args["b"], args["A_log"], args["dt_bias"], out,
+    # a, b and the constants as the deployment form takes them (dense rows, contiguous): the functional form takes any
+    # layout, as it does for the other inputs
+    a, b, A_log, dt_bias = (args[n].contiguous() for n in ("a", "b", "A_log", "dt_bias"))
+    step_inplace(pool, rows.to(torch.int32), qkv, a, b, A_log, dt_bias, out,
                  num_k_heads=hk, beta_bf16=beta_bf16, backend=backend, check_idx=False)
     entry = torch.where(h == L, torch.zeros_like(h), h).long()          # the entry the step appended
     si = rows.unsqueeze(1).expand(B, H)

@@ -176,6 +176,8 @@ def _leading_dims(codes: object) -> tuple[int, int, torch.device]:
     if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
         raise ValueError(f"codes: expected an int8 tensor [B, H, {V}, {K}], got "
                          f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+    if codes.is_meta:
+        raise ValueError("codes: expected a tensor with data, got one on the meta device")
     B, H = codes.shape[:2]
     if B < 1 or H < 1:
         raise ValueError(f"codes: expected B >= 1 and H >= 1, got shape {tuple(codes.shape)}")

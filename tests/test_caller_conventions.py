@@ -383,6 +383,34 @@ def test_functional_forms_from_two_threads_at_once():
     assert len(api._SCRATCH.pools) == api.SCRATCH_POOLS
 
 
+@pytest.mark.interpreter
+def test_functional_forms_from_two_threads_under_the_interpreter():
+    """The Triton backend through its interpreter (the CPU tier) from two threads at once: the interpreter patches
+    module state while it runs a kernel, and the launcher runs one interpreted launch at a time."""
+    import threading
+    from leapquant.triton.tl_kernel import INTERPRETED
+    if not INTERPRETED or torch.cuda.is_available():
+        pytest.skip("the interpreter serves the Triton backend only on a CPU with TRITON_INTERPRET=1")
+    cases = [families.make_case(1, 2, "kda", seed=s) for s in (1, 2)]
+    want = [lq.run(*c.args(), backend="triton") for c in cases]
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(3):
+                got = lq.run(*cases[i].args(), backend="triton")
+                if not all(torch.equal(x, y) for x, y in zip(got, want[i])):
+                    errors.append(f"thread {i}: another result")
+        except Exception as e:                  # noqa: BLE001 (any failure of a thread is the finding)
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("backend", STEP_BACKENDS)
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_step_inputs_off_a_16_byte_boundary(gate, backend):

@@ -236,6 +236,23 @@ def test_functional_form_names_the_bad_argument(gate):
             fn(*args, num_k_heads=4)
     with pytest.raises(ValueError, match="beta_bf16: expected a bool"):
         fn(*args, beta_bf16=None)
+    with pytest.raises(ValueError, match="codes: expected a tensor with data, got one on the meta device"):
+        fn(*[x.to("meta") for x in args])
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_functional_form_takes_any_layout(gate):
+    """The functional step takes a, b, A_log and dt_bias in any layout (strided, expanded), as its other inputs: the
+    same results as contiguous copies give."""
+    case = sf.make_step_case(2, 4, gate, seed=3, families=["random"], num_k_heads=2 if gate == "gdn" else None)
+    fn = lq.step if gate == "kda" else lq.step_gdn
+    args = list(case.args())
+    a, b, A_log, dt_bias = args[-4:]
+    odd = [torch.stack([a, a], -1)[..., 0], b.t().contiguous().t(), A_log[:1].expand_as(A_log),
+           dt_bias[..., :1].expand_as(dt_bias)]
+    same = [x.contiguous() for x in odd]
+    for got, ref in zip(fn(*args[:-4], *odd), fn(*args[:-4], *same)):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
 
 # ---- the life-cycle helpers ------------------------------------------------------------------------------------------

@@ -155,3 +155,10 @@ def test_functional_form_names_the_bad_argument(gate):
     bad[-1] = args[-1][:, :3]
     with pytest.raises(ValueError, match="q0: expected shape"):
         fn(*bad)
+    bad = list(args)
+    bad[-1] = torch.full_like(args[-1], float("nan"))               # an uninitialised start matrix, say
+    with pytest.raises(ValueError, match="q0: values must be finite"):
+        fn(*bad)
+    bad = [x.to("meta") for x in args]
+    with pytest.raises(ValueError, match="codes: expected a tensor with data, got one on the meta device"):
+        fn(*bad)

@@ -8,7 +8,9 @@ chosen kernel for the pool's buffers, binds its launch (:func:`_bind`) and launc
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,6 +28,9 @@ from .tl_kernel import INTERPRETED
 #: costs two dependent trips to memory: idx, then the fill counters); under the interpreter a short step lets the CPU
 #: tests span several steps at small sizes
 SCAN_FLAGS = 1024 if INTERPRETED else 8192
+#: held around every launch: Triton's interpreter patches module-level state while it runs a kernel, so two threads'
+#: interpreted launches collide (an InterpreterError in one of them); compiled launches need no lock
+_LAUNCH_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext()
 #: rows a call may carry before the workspace must grow (growing allocates: done outside graph capture only)
 MIN_ROW_CAPACITY = 1024
 #: persistent programs under the interpreter (any number is correct; a few keep the CPU tests short)
@@ -254,7 +259,7 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     One launch of a fixed grid; no host synchronisation, no allocation once the pool's workspace exists."""
     if idx.numel() == 0:
         return
-    with on_pool_device(pool):
+    with on_pool_device(pool), _LAUNCH_LOCK:
         ws = _workspace(pool, idx.numel())
         if not _bound(pool, ws):
             _bind(pool, ws, q0, idx)
@@ -284,7 +289,7 @@ def step(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tensor, b: t
             slot_stride(pool.num_heads), qkv.stride(0), a.stride(0), b.stride(0))
     meta = dict(H=pool.num_heads, HK=num_k_heads, IS_KDA=pool.gate == "kda", BETA_BF16=bool(beta_bf16))
     grid = (idx.numel() * pool.num_heads,)
-    with on_pool_device(pool):
+    with on_pool_device(pool), _LAUNCH_LOCK:
         if _step_kernel_choice(pool.device) == "mma":
             gk = _gluon_step_kernel()
             gk.step_kernel[grid](*args, **meta, num_warps=gk.WARPS, num_stages=1,
