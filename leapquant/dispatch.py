@@ -310,11 +310,14 @@ def backend_info(device: torch.device | str | None = None, num_heads: int = DEFA
     A backend whose package is not installed is reported from its metadata without importing its module."""
     import torch
 
-    from .layout import Pool
+    from .layout import Pool, as_int
     _check_op(op)
+    rows_n = as_int(num_rows)
+    if rows_n is None or rows_n < 0:
+        raise ValueError(f"num_rows: expected an int >= 0 (the rows of the call asked about), got {num_rows!r}")
     device = torch.device(device) if device is not None else default_device()
     probe = Pool(2, num_heads, device=device, gate=gate)
-    order = auto_order(probe, num_rows, op)
+    order = auto_order(probe, rows_n, op)
     rows = []
     for name in BACKENDS:
         package = _PACKAGES.get(name)

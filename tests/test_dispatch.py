@@ -123,6 +123,15 @@ def test_backend_info_lists_every_backend_with_reasons():
         assert r["available"] or r["reasons"], r
 
 
+@pytest.mark.parametrize("kwargs, match", [(dict(num_rows=-1), "num_rows: expected an int >= 0"),
+                                           (dict(num_rows="256"), "num_rows: expected an int >= 0"),
+                                           (dict(num_heads=0), "num_heads: expected an int >= 1"),
+                                           (dict(op="both"), "unknown op"), (dict(gate="x"), "gate: expected")])
+def test_backend_info_names_a_bad_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lq.backend_info("cpu", **kwargs)
+
+
 def test_choice_is_cached_per_geometry(monkeypatch):
     pool, _, _ = _pool()
     calls = []
