@@ -1,9 +1,9 @@
-"""Writes definition.json and workloads.jsonl of the KDA and GDN flush ops (FlashInfer-Bench schema).
+"""Writes definition.json and workloads.jsonl of the KDA and GDN flush and decode-step ops (FlashInfer-Bench schema).
 
     python -m leapquant.definitions.make      # regenerate; tests/test_definitions.py checks the files match
 
 Each definition embeds a self-contained plain-torch ``run`` (the fp32 reference, written out again without the
-package) that tests/test_definitions.py compares with leapquant.reference.
+package) that tests/test_definitions.py compares with leapquant.reference and judges by the op's criterion.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import json
 import uuid
 from pathlib import Path
 
-from ..criterion import ABS_BOUND, REL_FLOOR, REL_SLACK
-from ..numerics import DEFAULT_HEADS, EPS, FP16_MAX, GS_ABS_FLOOR, QMAX, K, L, R, V
+from ..criterion import ABS_BOUND, REL_FLOOR, REL_SLACK, STEP_REL
+from ..numerics import DEFAULT_HEADS, EPS, FP16_MAX, GS_ABS_FLOOR, NORM_EPS, QMAX, SOFTPLUS_THRESHOLD, K, L, R, V
 
 HERE = Path(__file__).parent
 BATCHES = (16, 32, 64, 128, 256, 512)
@@ -80,6 +80,84 @@ def run(codes, s_k, s_v, u, q, kbuf, ubuf, w, p, q0):
     S = _decode(codes, s_k, s_v, u, q) * p[..., None, None] + ubuf.float().transpose(-1, -2) @ keys
     empty = (w == 0).all(-1) & (p == 1)
     return _keep_empty(empty, _compress(S, q0), (codes, s_k, s_v, u, q))
+'''
+
+# the decode step (docs/spec.md section 7): what a step reads of its program, the token, and its outputs
+#: the step definitions' names by gate (GDN: Qwen3-Next's key heads, half the value heads)
+STEP_NAMES = {"kda": f"leapquant_kda_step_h{DEFAULT_HEADS}",
+              "gdn": f"leapquant_gdn_step_h{DEFAULT_HEADS}k{DEFAULT_HEADS // 2}"}
+_STEP_COMMON = f'''import torch
+
+V, K, L, QMAX, NORM_EPS, SOFTPLUS_THRESHOLD = {V}, {K}, {L}, {QMAX}, {NORM_EPS!r}, {SOFTPLUS_THRESHOLD!r}
+
+
+def _decode(codes, s_k, s_v, u, q):
+    return q.float().transpose(-1, -2) @ u.float() + codes.float() * (s_k / QMAX).unsqueeze(-2) * s_v.unsqueeze(-1)
+
+
+def _unit(x):
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + NORM_EPS)
+
+
+def _token(qx, kx, a, b, A_log, dt_bias, H):
+    # value head j reads key head j // (H // Hk); beta rounded to bf16, as the models carry it
+    group = H // kx.shape[-2]
+    kn = _unit(kx.repeat_interleave(group, dim=-2))
+    qn = _unit(qx.repeat_interleave(group, dim=-2)) * K ** -0.5
+    x = a.float() + dt_bias
+    softplus = torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x.clamp_max(SOFTPLUS_THRESHOLD))))
+    g = -torch.exp(A_log).reshape(A_log.shape + (1,) * (dt_bias.dim() - 1)) * softplus
+    beta = torch.sigmoid(b.float()).to(torch.bfloat16).float()
+    return kn, qn, g, beta
+
+
+def _live(h):
+    # a fill count of L ("just flushed") reads as an empty window; entries at and past h are ignored
+    h = torch.where(h == L, torch.zeros_like(h), h).long()
+    return h, torch.arange(L, device=h.device) < h.unsqueeze(-1)
+
+
+def _delta(S, kn, qn, vx, beta):
+    u_new = beta.unsqueeze(-1) * (vx.float() - (S @ kn.unsqueeze(-1)).squeeze(-1))
+    o = (S @ qn.unsqueeze(-1)).squeeze(-1) + (kn * qn).sum(-1, keepdim=True) * u_new
+    return u_new, o
+'''
+
+KDA_STEP_REF = _STEP_COMMON + '''
+
+@torch.no_grad()
+def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, h, qx, kx, vx, a, b, A_log, dt_bias):
+    h, live = _live(h)
+    kn, qn, g, beta = _token(qx, kx, a, b, A_log, dt_bias, vx.shape[-2])
+    en = torch.exp(g)
+    pcum_new = pcum + g
+    later = torch.where(live.unsqueeze(-1), gbuf.float(), 1.0)
+    from_j = torch.flip(torch.cumprod(torch.flip(later, [-2]), -2), [-2])        # prod_{i >= j}
+    decay = torch.cat([from_j[..., 1:, :], torch.ones_like(later[..., :1, :])], -2) * en.unsqueeze(-2)
+    keys = torch.where(live.unsqueeze(-1), w.unsqueeze(-1) * kbuf.float() * decay, 0.0)
+    values = torch.where(live.unsqueeze(-1), ubuf.float(), 0.0)
+    S = _decode(codes, s_k, s_v, u, q) * torch.exp(pcum_new).unsqueeze(-2) + values.transpose(-1, -2) @ keys
+    u_new, o = _delta(S, kn, qn, vx, beta)
+    w_new = torch.where(torch.arange(L, device=h.device) == h.unsqueeze(-1), 1.0, w)
+    return o.bfloat16(), kn.bfloat16(), u_new.bfloat16(), en.half(), w_new, pcum_new
+'''
+
+GDN_STEP_REF = _STEP_COMMON + '''
+
+@torch.no_grad()
+def run(codes, s_k, s_v, u, q, kbuf, ubuf, w, p, h, qx, kx, vx, a, b, A_log, dt_bias):
+    h, live = _live(h)
+    kn, qn, g, beta = _token(qx, kx, a, b, A_log, dt_bias, vx.shape[-2])
+    at = torch.exp(g)
+    p_new = p * at
+    w_live = torch.where(live, w * at.unsqueeze(-1), w)                           # the live weights decay
+    keys = torch.where(live.unsqueeze(-1), w_live.unsqueeze(-1) * kbuf.float(), 0.0)
+    values = torch.where(live.unsqueeze(-1), ubuf.float(), 0.0)
+    S = _decode(codes, s_k, s_v, u, q) * p_new[..., None, None] + values.transpose(-1, -2) @ keys
+    u_new, o = _delta(S, kn, qn, vx, beta)
+    w_new = torch.where(torch.arange(L, device=h.device) == h.unsqueeze(-1), 1.0, w_live)
+    return o.bfloat16(), kn.bfloat16(), u_new.bfloat16(), w_new, p_new
 '''
 
 _CKPT_IN = {
@@ -158,7 +236,93 @@ def definitions() -> dict[str, dict]:
             "constraints": common_constraints + ["0 < p <= 1", "w >= 0"],
             "reference": GDN_REF,
         },
+        **step_definitions(),
     }
+
+
+_STEP_CRITERION = (f"judged element by element against the same formula in fp64, M the formula on the absolute values "
+                   f"of every term: o, k_row, u_row within half a bf16 step + {_sci(STEP_REL)} M (zero where every "
+                   f"term is zero); g_row within half an fp16 step + {_sci(STEP_REL)} |exact|; pcum_new within "
+                   f"{_sci(STEP_REL)} (|exact| + 1); p_new and the live decayed weights within half an fp32 step + "
+                   f"({_sci(STEP_REL)} (1 + |g|) + r) |exact|, r the fp32 rounding of exp(g) relative to it; the other "
+                   f"weights exact; every output finite")
+
+
+def _step_io(gate: str) -> tuple[dict, dict]:
+    """The step's inputs (in ``run``'s order) and outputs."""
+    bh = ["batch_size", "num_heads"]
+    inputs = {name: dict(spec) for name, spec in _CKPT_IN.items()}
+    inputs["codes"]["description"] = "the checkpoint's int8 codes of the residual"
+    if gate == "kda":
+        inputs.update({
+            "gbuf": {"shape": bh + ["L", "K"], "dtype": "float16",
+                     "description": "decay factor of the step that appended each entry, in (0, 1]"},
+            "w": {"shape": bh + ["L"], "dtype": "float32", "description": "entry weights in [0, 1]"},
+            "pcum": {"shape": bh + ["K"], "dtype": "float32", "description": "log-gate summed over the window (<= 0)"},
+        })
+    else:
+        inputs.update({
+            "w": {"shape": bh + ["L"], "dtype": "float32",
+                  "description": "entry weights, each entry's later decay folded in"},
+            "p": {"shape": bh, "dtype": "float32", "description": "gate product in (0, 1]"},
+        })
+    gate_shape, dt_shape = (bh + ["K"], ["num_heads", "K"]) if gate == "kda" else (bh, ["num_heads"])
+    inputs.update({
+        "h": {"shape": bh, "dtype": "int32",
+              "description": f"fill count in [0, {L}]: entries before it are live; {L} (just flushed) reads as 0"},
+        "qx": {"shape": ["batch_size", "num_k_heads", "K"], "dtype": "bfloat16", "description": "query (per key head)"},
+        "kx": {"shape": ["batch_size", "num_k_heads", "K"], "dtype": "bfloat16", "description": "key (per key head)"},
+        "vx": {"shape": bh + ["V"], "dtype": "bfloat16", "description": "value"},
+        "a": {"shape": gate_shape, "dtype": "bfloat16", "description": "gate pre-activation"},
+        "b": {"shape": bh, "dtype": "bfloat16", "description": "beta pre-activation (beta = sigmoid(b), in bf16)"},
+        "A_log": {"shape": ["num_heads"], "dtype": "float32", "description": "per-head log decay rate"},
+        "dt_bias": {"shape": dt_shape, "dtype": "float32", "description": "gate bias"},
+    })
+    outputs = {
+        "o": {"shape": bh + ["V"], "dtype": "bfloat16", "description": "the token's output"},
+        "k_row": {"shape": bh + ["K"], "dtype": "bfloat16", "description": "window entry h's key (kn)"},
+        "u_row": {"shape": bh + ["V"], "dtype": "bfloat16", "description": "window entry h's value correction"},
+    }
+    if gate == "kda":
+        outputs.update({
+            "g_row": {"shape": bh + ["K"], "dtype": "float16", "description": "window entry h's decay factor"},
+            "w_new": {"shape": bh + ["L"], "dtype": "float32", "description": "weights with w[h] = 1"},
+            "pcum_new": {"shape": bh + ["K"], "dtype": "float32", "description": "pcum + this token's log-gate"},
+        })
+    else:
+        outputs.update({
+            "w_new": {"shape": bh + ["L"], "dtype": "float32", "description": "live weights decayed, w[h] = 1"},
+            "p_new": {"shape": bh, "dtype": "float32", "description": "p times this token's gate"},
+        })
+    return inputs, outputs
+
+
+def step_definitions() -> dict[str, dict]:
+    """The decode step of each gate: KDA with one key head per head, GDN with Qwen3-Next's 16 key heads."""
+    out = {}
+    for gate, k_heads, ref in (("kda", DEFAULT_HEADS, KDA_STEP_REF), ("gdn", DEFAULT_HEADS // 2, GDN_STEP_REF)):
+        name = STEP_NAMES[gate]
+        inputs, outputs = _step_io(gate)
+        kda = gate == "kda"
+        out[name] = {
+            "name": name, "op_type": "leapquant_step",
+            "description": (
+                "LeapQuant decode step, " + ("Kimi Delta Attention (per-key-channel gate)" if kda else
+                                             "Gated DeltaNet (scalar gate, grouped key heads)")
+                + ": one token of the gated delta rule served from the compressed state (int8 codes with two-sided "
+                  "scales plus rank-4 fp16 tokens) and the window of up to L = 16 buffered updates, without forming "
+                  "the state in memory; it returns the output and the window entry the token appends "
+                  "(leapquant's docs/spec.md section 7)."),
+            "tags": ["model:kimi-linear-48b", "layer:kda"] if kda else ["model:qwen3-next", "layer:gated_deltanet"],
+            "axes": dict(_AXES, num_k_heads={"type": "const", "value": k_heads}),
+            "inputs": inputs, "outputs": outputs,
+            "constraints": ["s_k > 0 and s_v > 0", "0 <= w <= 1", "batch_size <= 512", _STEP_CRITERION,
+                            "run returns the tuple of outputs in their order"]
+                           + (["0 < gbuf <= 1", "pcum <= 0"] if kda else ["0 < p <= 1"]),
+            "reference": ref,
+        }
+    return out
+
 
 
 def workloads(name: str, inputs: dict) -> list[dict]:
