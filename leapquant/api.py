@@ -22,7 +22,8 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
 
     pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (``<= 0``: no sequence, the row is
     skipped, as engines pad with -1 or 0). q0: fp32 [V, R], the start of the subspace iteration, shared by all
-    programs. A program (slot, head) is due when ``hcnt == L``; its checkpoint is rewritten and its window reset
+    programs: finite, its columns near unit norm as :func:`leapquant.default_q0`'s (the kernels form S^T q0's Gram
+    matrix in fp32; its values are not read on the host). A program (slot, head) is due when ``hcnt == L``; its checkpoint is rewritten and its window reset
     (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt`` stays ``L``. A due program whose window is
     already empty (every ``w`` 0 and no decay: KDA every ``pcum`` 0, GDN ``p`` 1; ``reference.empty_window``) is left
     as it is, so a second call without a decode step in between changes nothing. Everything else in the pool stays
