@@ -614,7 +614,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
     problem = dispatch.env_problem()
     if problem and args.backends is None:       # (named backends never read the variable)
         raise UsageError(problem)
-    known = (*dispatch.BACKENDS, "auto", "none")
+    known = (*dispatch.CHOICES, "none")
     if args.backends is not None:
         args.backends = [name.strip().lower() for name in args.backends]
     for name in args.backends or ():

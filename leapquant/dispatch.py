@@ -290,13 +290,12 @@ def device_description(device: torch.device | str | None = None) -> str:
     """One line naming ``device`` (default: :func:`default_device`): a GPU's name, compute capability and SM count, or
     the CPU's processor. A device this machine lacks raises a ``ValueError``."""
     import torch
-    try:
-        dev = torch.device(device) if device is not None else default_device()
-        if dev.type == "cuda":
-            p = torch.cuda.get_device_properties(dev)
-            return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
-    except (RuntimeError, TypeError, AssertionError) as e:     # no such device here (torch's own error types vary)
-        raise ValueError(f"device: {device!r} is not a device of this machine ({type(e).__name__}: {e})") from None
+
+    from .devices import device_here
+    dev = device_here(device, "tensors") if device is not None else default_device()
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
     if dev.type != "cpu":
         raise ValueError(f"device: {device!r}: leapquant runs on cpu or cuda devices")
     return f"CPU ({platform.processor() or platform.machine()})"

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from .numerics import DEFAULT_HEADS, EPS, FP16_MAX, GATES, K, L, QMAX, R, V  # noqa: F401  (re-exported)
+from .devices import device_here
 from .reference import compress, decode_checkpoint, default_q0, pool_writes, rebuild
 
 
@@ -239,27 +240,13 @@ def as_int(x: object) -> int | None:
 
 
 def _slot_number(x: object, position: int, name: str = "slots") -> int:
-    """One element of a slot list as an int: ints and integer scalars (numpy, 0-dim tensors) pass; bools, floats
-    and anything else raise a ``ValueError`` naming the argument (``name``)."""
-    if not isinstance(x, bool) and not (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
-        try:
-            return operator.index(x)
-        except TypeError:
-            pass
-    raise ValueError(f"{name}: expected integer slot numbers, got {x!r} at position {position}")
-
-
-def _pool_device(device: object) -> torch.device:
-    """``device`` as the pool's tensors will report it (``cpu:0`` is ``cpu``; ``cuda`` gets the current device's
-    index): the device of an empty tensor made there. A device torch cannot name or cannot reach raises a
-    ``ValueError``."""
-    try:
-        dev = torch.empty(0, device=device).device
-    except (RuntimeError, TypeError, AssertionError) as e:
-        raise ValueError(f"device: {device!r} cannot hold the pool's tensors ({type(e).__name__}: {e})") from None
-    if dev.type == "meta":
-        raise ValueError(f"device: {device!r} holds no data (a pool's tensors are read and written)")
-    return dev
+    """One element of a slot list as an int (:func:`as_int`; a 0-dim integer tensor too: the helpers read values on
+    the host anyway); bools, floats and anything else raise a ``ValueError`` naming the argument (``name``)."""
+    scalar = isinstance(x, torch.Tensor) and x.dim() == 0 and not (x.is_floating_point() or x.is_complex())
+    n = as_int(x.item() if scalar else x)
+    if n is None:
+        raise ValueError(f"{name}: expected integer slot numbers, got {x!r} at position {position}")
+    return n
 
 
 def capturing(device: torch.device) -> bool:
@@ -343,7 +330,7 @@ class Pool:
         if device is None:
             raw = buffers.get("raw")
             device = raw.device if isinstance(raw, torch.Tensor) else "cpu"
-        self.device = _pool_device(device)
+        self.device = device_here(device, "the pool's tensors")
         self.num_slots, self.num_heads, self.gate = num_slots, num_heads, gate
         NS, H = num_slots, num_heads
         self.slot_stride = slot_stride(H)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .devices import device_here
 from .numerics import EPS, FP16_MAX, GS_ABS_FLOOR, K, L, NORM_EPS, QMAX, R, SOFTPLUS_THRESHOLD, V
 
 #: Programs rebuilt at once by the reference flush (and rows stepped at once, this over H): bounds its temporaries
@@ -45,14 +46,7 @@ def default_q0(device: torch.device | str = "cpu") -> torch.Tensor:
     orthogonal to any head's dominant subspace."""
     g = torch.Generator().manual_seed(0x1EA9)
     q0 = torch.randn(V, R, generator=g, dtype=torch.float64)
-    q0 = (q0 / q0.norm(dim=0, keepdim=True)).to(torch.float32)
-    try:
-        q0 = q0.to(device)
-    except (RuntimeError, TypeError, AssertionError, ImportError) as e:   # no such device here (torch's errors vary)
-        raise ValueError(f"device: {device!r} cannot hold q0 ({type(e).__name__}: {e})") from None
-    if q0.device.type == "meta":
-        raise ValueError(f"device: {device!r} holds no data (q0 is read by the flush)")
-    return q0
+    return (q0 / q0.norm(dim=0, keepdim=True)).to(torch.float32).to(device_here(device, "q0"))
 
 
 def decode_checkpoint(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
