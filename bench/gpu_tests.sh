@@ -14,9 +14,11 @@ wanted=" ${*:-conformance tilelang triton pool e2e rest} "
 mkdir -p "$out"
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 sel="not deployment_sizes and not other_head_counts and not compiles"
-# Each shard's torch gets a share of the cores (OMP_NUM_THREADS): six processes of one torch thread per core each
-# left the CPU-bound tests (the reference, the CPU halves of the e2e and conformance tests) fighting over 16 cores.
-threads=$(( $(nproc) / 6 )); [ "$threads" -ge 1 ] || threads=1
+# Each shard's torch gets an equal share of the cores (OMP_NUM_THREADS) among the shards asked for: six processes of
+# one torch thread per core each left the CPU-bound tests (the reference, the CPU halves of the e2e and conformance
+# tests) fighting over 16 cores.
+shards=$(echo $wanted | wc -w)
+threads=$(( $(nproc) / shards )); [ "$threads" -ge 1 ] || threads=1
 stamp() { while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done; }   # each log line with its time
 shard() {   # shard NAME FILE...  (only the shards asked for)
     local name=$1 t0=$SECONDS rc
