@@ -419,7 +419,7 @@ class Pool:
         self.check_buffers()
         if not isinstance(slots, (torch.Tensor, list, tuple, range)) and hasattr(slots, "__array__"):
             try:                                        # a numpy array of slot numbers (an engine's slot table)
-                slots = torch.tensor(slots)             # (a copy: a read-only array is fine)
+                slots = torch.tensor(slots, device="cpu")  # (a copy: a read-only array is fine)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"{name}: expected integer slot numbers, got an array that torch cannot read "
                                  f"({type(e).__name__}: {e})") from None
@@ -445,7 +445,8 @@ class Pool:
             if x in seen:
                 raise ValueError(f"{name}: slot {x} appears more than once (each sequence owns one slot)")
             seen.add(x)
-        return torch.tensor(vals, dtype=torch.long).to(self.device)
+        # (made on the pool's device: not on a default device the caller may have set, `with torch.device(...)`)
+        return torch.tensor(vals, dtype=torch.long, device=self.device)
 
     def _lead(self, s: torch.Tensor) -> tuple[tuple[str, int], ...]:
         """Leading dims of a per-slot argument: (n, H)."""
@@ -496,7 +497,12 @@ class Pool:
         [0, 1]; KDA: ``gate`` is pcum [n, H, K] (finite, <= 0) and ``gbuf`` [n, H, L, K] in [0, 1] is required;
         GDN: ``gate`` is p [n, H] in [0, 1] and ``gbuf`` must be None. Shapes must match exactly (nothing is
         broadcast); any floating dtype and any device are accepted and converted. ``hcnt`` of the slots is set to
-        ``fill``, an int in [0, L] (``L``: due at the next flush, or "flushed, empty" for the decode step)."""
+        ``fill``, an int in [0, L] (``L``: due at the next flush, or "flushed, empty" for the decode step).
+
+        Restoring a sequence in the middle of a window (an offload, a snapshot) takes its fill count as ``fill``: with
+        the default ``L`` and a window that is not empty, the slot is due, and a decode step before the flush (as
+        :func:`leapquant.decode_inplace` runs them) reads it as empty and drops the window without an error
+        (``check_idx=True`` names it)."""
         s = self._slots(slots)
         lead = self._lead(s)
         if self.gate == "kda":

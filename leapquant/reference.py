@@ -45,7 +45,8 @@ def default_q0(device: torch.device | str = "cpu") -> torch.Tensor:
     """A deterministic start matrix fp32 [V, R] (Gaussian from a fixed seed, columns of unit norm): almost surely not
     orthogonal to any head's dominant subspace."""
     g = torch.Generator().manual_seed(0x1EA9)
-    q0 = torch.randn(V, R, generator=g, dtype=torch.float64)
+    # on the CPU (the generator's device) whatever default device the caller has set (`with torch.device(...)`)
+    q0 = torch.randn(V, R, generator=g, dtype=torch.float64, device="cpu")
     return (q0 / q0.norm(dim=0, keepdim=True)).to(torch.float32).to(device_here(device, "q0"))
 
 

@@ -146,6 +146,24 @@ def test_slots_on_the_meta_device_are_refused():
     assert all(torch.equal(v, snapshot(pool)[k]) for k, v in before.items())
 
 
+def test_the_callers_default_device_does_not_move_the_helpers():
+    """Engines build a model's layers under a default device (vLLM's loader: ``with torch.device(target)``; meta
+    stands in for another device here): the device a helper is given, or the pool's, is where it works. default_q0
+    made its Gaussian on the default device (on a GPU host: torch's error for a CPU generator there), the slot helpers
+    their slot tensor (on meta: NotImplementedError)."""
+    np = pytest.importorskip("numpy")
+    pool = lq.Pool(3, 1)
+    with torch.device("meta"):
+        q0 = lq.default_q0("cpu")
+        pool.reset_slots([1])
+        pool.reset_slots(np.array([2]))
+        pool.encode([1], torch.ones(1, 1, V, K, device="cpu"))
+        pool.copy_slots([1], [2])
+        state = pool.decode([2])
+    assert torch.equal(q0, lq.default_q0("cpu")) and state.device.type == "cpu"
+    assert torch.allclose(state, torch.ones(1, 1, V, K), atol=1e-2)
+
+
 @pytest.mark.parametrize("backend", STEP_BACKENDS)
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_a_nan_gate_reaches_the_output(gate, backend):
