@@ -140,7 +140,10 @@ def step_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Tens
     The checks read metadata only (no host synchronisation; idx's values only with ``check_idx`` or
     ``LEAPQUANT_CHECK_IDX``, as :func:`flush_inplace`, which then also checks that no stepped program is due with a
     window no flush has folded); bad arguments raise ``ValueError`` naming the argument before anything is written.
-    ``out`` may not share memory with anything the step reads (the inputs, the pool). backend: as
+    ``out`` may not share memory with anything the step reads (the inputs, the pool). Each slot may appear at most once
+    in ``idx``: two rows stepping one slot are undefined (the backends differ; on a GPU their programs race), and only
+    ``check_idx`` names it. GDN: pass ``num_k_heads`` (a qkv row with columns beyond q | k | v, such as an unsliced
+    output gate z, reads as more key heads when the count is derived from its width). backend: as
     :func:`flush_inplace`; a backend without a step kernel (TileLang) cannot serve the step."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
     chosen = dispatch.select(pool, idx.numel(), backend, op="step")

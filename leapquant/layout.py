@@ -490,16 +490,27 @@ class Pool:
         tok = self.tokens[s]
         return self.codes[s], self.s_k[s], self.s_v[s], tok[..., :K].contiguous(), tok[..., K:].contiguous()
 
+    def read_window(self, slots) -> tuple[torch.Tensor | None, ...]:
+        """Fresh copies ``(kbuf, ubuf, w, gate, gbuf, fill)`` of the windows in ``slots``, shapes as in
+        :meth:`write_window` (``gbuf`` None for GDN; ``fill`` the fill counts, int32 [n, H]), on the pool's device:
+        with :meth:`read_checkpoint`, everything a sequence's slot holds, which :meth:`write_checkpoint` and
+        :meth:`write_window` put back (an offload and its restore). A slot may be named more than once."""
+        s = self._slots(slots, distinct=False)
+        gate = self.pcum[s] if self.gate == "kda" else self.p[s]
+        gbuf = self.gbuf[s] if self.gate == "kda" else None
+        return self.kbuf[s], self.ubuf[s], self.w[s], gate, gbuf, self.hcnt[s]
+
     @pool_writes()
     def write_window(self, slots, kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor,
-                     gate: torch.Tensor, gbuf: torch.Tensor | None = None, fill: int = L) -> None:
+                     gate: torch.Tensor, gbuf: torch.Tensor | None = None, fill: int | torch.Tensor = L) -> None:
         """Store windows into ``slots`` (n slots): kbuf [n, H, L, K], ubuf [n, H, L, V] (finite), w [n, H, L] in
         [0, 1]; KDA: ``gate`` is pcum [n, H, K] (finite, <= 0) and ``gbuf`` [n, H, L, K] in [0, 1] is required;
         GDN: ``gate`` is p [n, H] in [0, 1] and ``gbuf`` must be None. Shapes must match exactly (nothing is
         broadcast); any floating dtype and any device are accepted and converted. ``hcnt`` of the slots is set to
-        ``fill``, an int in [0, L] (``L``: due at the next flush, or "flushed, empty" for the decode step).
+        ``fill``: an int in [0, L] for every program (``L``: due at the next flush, or "flushed, empty" for the decode
+        step), or int32 [n, H] in [0, L], a count per program (as :meth:`read_window` returns them).
 
-        Restoring a sequence in the middle of a window (an offload, a snapshot) takes its fill count as ``fill``: with
+        Restoring a sequence in the middle of a window (an offload, a snapshot) takes its fill counts as ``fill``: with
         the default ``L`` and a window that is not empty, the slot is due, and a decode step before the flush (as
         :func:`leapquant.decode_inplace` runs them) reads it as empty and drops the window without an error
         (``check_idx=True`` names it)."""
@@ -515,20 +526,24 @@ class Pool:
                                  f"got {type(gbuf).__name__}")
             gate_name, extra = "gate (p)", []
         hc = FIELDS["hcnt"]
-        n_fill = as_int(fill)
-        if n_fill is None or not hc.lo <= n_fill <= hc.hi:
-            raise ValueError(f"fill: expected an int in [{hc.lo}, {hc.hi}] (the window's fill count; {L} = due), "
-                             f"got {fill!r}")
+        if isinstance(fill, torch.Tensor):                 # a count per program, checked with the other arguments
+            extra.append(("fill", fill, hc, lead))
+            n_fill = None
+        else:
+            n_fill = as_int(fill)
+            if n_fill is None or not hc.lo <= n_fill <= hc.hi:
+                raise ValueError(f"fill: expected an int in [{hc.lo}, {hc.hi}] (the window's fill count; {L} = due) "
+                                 f"or an int32 tensor of one per program, got {fill!r}")
         gate_field = FIELDS["pcum" if self.gate == "kda" else "p"]
         staged = check_and_convert([("kbuf", kbuf, FIELDS["kbuf"], lead), ("ubuf", ubuf, FIELDS["ubuf"], lead),
                         ("w", w, FIELDS["w"], lead), (gate_name, gate, gate_field, lead), *extra], self.device,
                         self._buffers())
         self.kbuf[s], self.ubuf[s], self.w[s] = staged[:3]
         if self.gate == "kda":
-            self.pcum[s], self.gbuf[s] = staged[3:]
+            self.pcum[s], self.gbuf[s] = staged[3:5]
         else:
             self.p[s] = staged[3]
-        self.hcnt[s] = n_fill
+        self.hcnt[s] = staged[-1] if n_fill is None else n_fill
 
     @pool_writes()
     def encode(self, slots, states: torch.Tensor, q0: torch.Tensor | None = None) -> None:

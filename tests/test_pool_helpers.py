@@ -63,6 +63,8 @@ def call(pool: lq.Pool, helper: str, slots, args: dict):
         return pool.encode(slots, **args)
     if helper == "read_checkpoint":
         return pool.read_checkpoint(slots, **args)
+    if helper == "read_window":
+        return pool.read_window(slots, **args)
     return pool.decode(slots, **args)
 
 
@@ -150,7 +152,11 @@ WINDOW_CASES = [
     ("fill float", GATES, _set("fill", 16.0), r"fill: expected an int in \[0, 16\]"),
     ("fill bool", GATES, _set("fill", True), r"fill: expected an int in \[0, 16\]"),
     ("fill str", GATES, _set("fill", "16"), r"fill: expected an int in \[0, 16\]"),
-    ("fill tensor", GATES, _set("fill", torch.tensor(16)), r"fill: expected an int in \[0, 16\]"),
+    ("fill tensor int64", GATES, _set("fill", torch.full((2, H), 3)), r"fill: expected dtype torch.int32, got torch.int64"),
+    ("fill tensor 0-dim", GATES, _set("fill", torch.tensor(16, dtype=torch.int32)),
+     r"fill: expected shape \(n, H\) = \(2, 2\), got \(\)"),
+    ("fill tensor 17", GATES, _set("fill", torch.full((2, H), 17, dtype=torch.int32)),
+     r"fill: values must be in \[0, 16\]"),
 ]
 CHECKPOINT_CASES = [
     ("codes int16", GATES, _set("codes", lambda a: a["codes"].short()),
@@ -214,7 +220,7 @@ REPEAT_CASES = [
     ("repeated slot tensor", torch.tensor([1, 1], dtype=torch.int32), r"slots: slot 1 appears more than once"),
 ]
 WRITERS = ("write_checkpoint", "write_window", "encode")
-READERS = ("read_checkpoint", "decode")
+READERS = ("read_checkpoint", "read_window", "decode")
 
 
 def _params(helper, cases):
@@ -243,7 +249,7 @@ def test_bad_slots_are_named_and_pool_untouched(gate, helper, slots, match):
     if helper in READERS and "more than once" in match:
         before = snapshot(pool)
         out = call(pool, helper, slots, {})                     # reads may name a slot twice: one copy each
-        first = out[0] if helper == "read_checkpoint" else out
+        first = out[0] if helper in ("read_checkpoint", "read_window") else out
         assert first.shape[0] == 2 and torch.equal(first[0], first[1])
         assert_untouched(pool, before)
         return
@@ -349,13 +355,15 @@ def test_codes_at_the_format_limits_are_accepted(gate):
     assert torch.equal(pool.read_checkpoint(SLOTS)[0], args["codes"])
 
 
-@pytest.mark.parametrize("fill", [None, 0, 5, L])
+@pytest.mark.parametrize("fill", [None, 0, 5, L, "per program"])
 def test_write_window_stores_and_sets_hcnt(gate, fill):
     pool = make_pool(gate)
     before = snapshot(pool)
     hcnt0 = pool.hcnt.clone()
     args = window_args(gate, seed=3)
     args["kbuf"] = args["kbuf"].float()                     # any floating dtype: converted to bf16
+    if fill == "per program":                               # int32 [n, H], as read_window returns them
+        fill = torch.arange(2 * H, dtype=torch.int32).view(2, H) * 3
     pool.write_window(SLOTS, **args, **({} if fill is None else dict(fill=fill)))
     s = torch.tensor(SLOTS)
     assert torch.equal(pool.kbuf[s], args["kbuf"].bfloat16()) and torch.equal(pool.ubuf[s], args["ubuf"])
@@ -365,6 +373,10 @@ def test_write_window_stores_and_sets_hcnt(gate, fill):
     else:
         assert torch.equal(pool.p[s], args["gate"])
     assert bool((pool.hcnt[s] == (L if fill is None else fill)).all())
+    kbuf, ubuf, w, gate_state, gbuf, hcnt = pool.read_window(SLOTS)
+    assert torch.equal(kbuf, pool.kbuf[s]) and torch.equal(ubuf, pool.ubuf[s]) and torch.equal(w, pool.w[s])
+    assert torch.equal(gate_state, pool.pcum[s] if gate == "kda" else pool.p[s]) and torch.equal(hcnt, pool.hcnt[s])
+    assert (gbuf is None) if gate == "gdn" else torch.equal(gbuf, pool.gbuf[s])
     others = torch.tensor([0, 2, 4])
     assert torch.equal(pool.hcnt[others], hcnt0[others])
     for name, t in pool.window_tensors().items():

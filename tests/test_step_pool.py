@@ -239,6 +239,37 @@ def test_steps_then_flush_match_the_dense_recurrence(gate):
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_offload_and_restore_mid_window(gate):
+    """An engine offloads a sequence in the middle of a window (read_checkpoint + read_window) and restores it into
+    another pool's slot (write_checkpoint + write_window with the fill counts read): the next decode tokens are bitwise
+    those of the sequence that stayed, and so is the slot."""
+    hk, pool, slots = _new_sequences(gate, noise_seed=9)
+    g = torch.Generator().manual_seed(21)
+    pool.encode(slots, 0.05 * torch.randn(2, H, V, K, generator=g))
+    q0 = lq.default_q0()
+    idx = torch.tensor([1, 3], dtype=torch.int32)
+    A_log, dt_bias = sf.head_constants(H, gate, g)
+    for _ in range(5):
+        lq.decode_inplace(pool, idx, *_token_rows(2, gate, hk, g)[:3], A_log, dt_bias, q0, num_k_heads=hk)
+    checkpoint, window = pool.read_checkpoint([3]), pool.read_window([3])
+    assert bool((window[-1] == 5).all()) and (window[4] is None) == (gate == "gdn")
+    other = lq.Pool(3, H, gate=gate)
+    fill_noise(other, seed=2)
+    other.write_checkpoint([2], *checkpoint)
+    kbuf, ubuf, w, gate_state, gbuf, fill = window
+    other.write_window([2], kbuf, ubuf, w, gate_state, gbuf, fill=fill)
+    for _ in range(L):                                    # across the flush the window's fill makes due
+        qkv, a, b, _, _ = _token_rows(2, gate, hk, g)
+        out = lq.decode_inplace(pool, idx, qkv, a, b, A_log, dt_bias, q0, num_k_heads=hk)
+        out2 = lq.decode_inplace(other, torch.tensor([2], dtype=torch.int32), qkv[1:], a[1:], b[1:], A_log, dt_bias,
+                                 q0, num_k_heads=hk)
+        assert torch.equal(out[1:], out2)
+    for mine, theirs in zip(pool.read_checkpoint([3]) + pool.read_window([3]),
+                            other.read_checkpoint([2]) + other.read_window([2])):
+        assert (mine is None and theirs is None) or torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_decode_inplace_flushes_the_windows_it_fills(gate):
     """decode_inplace = step, then the flush of the windows that step filled: over 2 L + 3 tokens every stepped
     program is flushed exactly when its fill count reaches L (its window is reset and the next token takes entry 0),
