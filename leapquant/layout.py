@@ -286,10 +286,11 @@ class Pool:
     ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``). An engine that owns its buffers passes them by keyword
     (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); each may be a
     view into a larger buffer (several layers' states in one allocation) and starts on a 16-byte boundary (all but
-    :data:`LOOSE_ALIGNMENT`'s), and no two may share memory.
+    :data:`LOOSE_ALIGNMENT`'s), and no two may share memory. Pools carved from one allocation (one per layer) must not
+    overlap one another either: a pool checks its own buffers, not another pool's.
 
-    The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`encode`,
-    :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence; :meth:`copy_slots`: a fork)
+    The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`read_window`,
+    :meth:`encode`, :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence; :meth:`copy_slots`: a fork)
     check every argument against :data:`FIELDS` before writing anything: a bad one raises a ``ValueError`` naming it
     and leaves the pool byte-identical.
 
