@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import dispatch
-from .layout import DEFAULT_HEADS, L, V, Field, Pool, check_and_convert
+from .layout import DEFAULT_HEADS, L, V, Field, Pool, check_and_convert, check_start_matrix
 from .reference import pool_writes
 from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_run_args, check_step_args,
                        check_step_run_args)
@@ -77,6 +77,7 @@ def _run(gate: str, args: dict[str, torch.Tensor], backend: str | None) -> tuple
     B, H, dev = check_run_args(gate, args)
     # q0's values too (the functional form reads values on the host anyway): a non-finite start matrix
     (q0,) = check_and_convert([("q0", args["q0"], Field(("V", "R"), torch.float32), ())], dev)
+    check_start_matrix(q0)
     pool = _scratch_pool(B, H, dev, gate)
     rows = torch.arange(1, B + 1, device=dev)
     pool.write_checkpoint(rows, args["codes"], args["s_k"], args["s_v"], args["u"], args["q"])
@@ -92,10 +93,10 @@ def run(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tens
     """Functional KDA flush, every program due. Leading dims [B, H]:
     codes int8 [B, H, V, K], s_k fp32 [B, H, K], s_v fp32 [B, H, V], u fp16 [B, H, R, K], q fp16 [B, H, R, V],
     kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32 [B, H, L], pcum fp32 [B, H, K],
-    q0 fp32 [V, R] (finite; the start matrix's columns near unit norm, as :func:`leapquant.default_q0`'s: the kernels
-    form S^T q0's Gram matrix in fp32, which columns of norm ~1e19 overflow). Returns fresh ``(codes, s_k, s_v, u,
-    q)`` of the same shapes and dtypes (a program whose window is empty, ``reference.empty_window``, gets its own
-    checkpoint back unchanged).
+    q0 fp32 [V, R] (finite; the start matrix: independent columns of norm in ``numerics.Q0_NORM_RANGE``, near 1 as
+    :func:`leapquant.default_q0`'s, else a ``ValueError``: the kernels form S^T q0's Gram matrix in fp32). Returns
+    fresh ``(codes, s_k, s_v, u, q)`` of the same shapes and dtypes (a program whose window is empty,
+    ``reference.empty_window``, gets its own checkpoint back unchanged).
 
     The functional forms (:func:`run`, :func:`run_gdn`, :func:`step`, :func:`step_gdn`) go through a scratch pool of
     ``B + 1`` slots that each thread keeps for its last :data:`SCRATCH_POOLS` shapes: threads may call them at once;

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from .numerics import DEFAULT_HEADS, EPS, FP16_MAX, GATES, K, L, QMAX, R, V  # noqa: F401  (re-exported)
+from .numerics import Q0_MIN_EIGEN_RATIO, Q0_NORM_RANGE
 from .devices import device_here
 from .reference import compress, decode_checkpoint, default_q0, pool_writes, rebuild
 
@@ -226,6 +227,22 @@ def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str,
                              f"{f' (after conversion to {f.dtype})' if f.dtype.is_floating_point else ''}; "
                              f"got {', '.join(f'{v!r} at {i}' for v, i in zip(vals, where))}")
     return staged
+
+
+def check_start_matrix(q0: torch.Tensor) -> None:
+    """q0's values (fp32 [V, R], finite, already checked and converted) where a host path reads them: column norms in
+    :data:`Q0_NORM_RANGE` and independent columns (:data:`Q0_MIN_EIGEN_RATIO`); raises ``ValueError`` naming q0.
+    One host synchronisation."""
+    gram = (q0.t().double() @ q0.double()).cpu()
+    norms = gram.diagonal().sqrt().tolist()
+    lo, hi = Q0_NORM_RANGE
+    if not all(lo <= n <= hi for n in norms):
+        raise ValueError(f"q0: its columns' norms must lie in [{lo:g}, {hi:g}] (the subspace iteration's start, as "
+                         f"leapquant.default_q0: unit columns), got {', '.join(f'{n:.3g}' for n in norms)}")
+    eig = torch.linalg.eigvalsh(gram)
+    if float(eig[0]) < Q0_MIN_EIGEN_RATIO * float(eig[-1]):
+        raise ValueError(f"q0: its columns must be independent (the subspace iteration starts from R = {R} "
+                         f"directions); its Gram matrix's eigenvalues are {', '.join(f'{e:.3g}' for e in eig.tolist())}")
 
 
 def as_int(x: object) -> int | None:
@@ -549,12 +566,14 @@ class Pool:
     @pool_writes()
     def encode(self, slots, states: torch.Tensor, q0: torch.Tensor | None = None) -> None:
         """Compress dense states [n, H, V, K] (finite; any floating dtype, computed in fp32) into the checkpoints of
-        ``slots`` (how a prefill state enters the pool) from the start matrix q0 [V, R] (finite; default
-        :func:`leapquant.reference.default_q0`); their windows are left as they are."""
+        ``slots`` (how a prefill state enters the pool) from the start matrix q0 [V, R] (finite, independent columns
+        of norm in :data:`Q0_NORM_RANGE`; default :func:`leapquant.reference.default_q0`); their windows are left as
+        they are."""
         s = self._slots(slots)
         q0 = default_q0(self.device) if q0 is None else q0
         S, q0 = check_and_convert([("states", states, Field(("V", "K"), torch.float32), self._lead(s)),
                        ("q0", q0, Field(("V", "R"), torch.float32), ())], self.device)
+        check_start_matrix(q0)
         # compress's output goes through the same checks as a caller's checkpoint before anything is written; a state
         # too large for the format (finite, but its scales overflow fp32) fails there, and the error says so
         try:

@@ -42,6 +42,15 @@ CHOLQR_RELATIVE_FLOOR = 1e-6
 #: (0 * 1e18): an all-zero head decodes to 0.
 CHOLQR_ABS_FLOOR = 1e-36
 
+#: The start matrix q0 [V, R] seeds that iteration (P = S^T q0) and serves every program. Where a host path reads its
+#: values anyway (Pool.encode, the functional flush), a q0 whose column norms lie outside this range or whose columns
+#: are not independent (the smallest eigenvalue of its Gram matrix below Q0_MIN_EIGEN_RATIO of the largest) is refused:
+#: a zero, tiny or repeated column seeds fewer than R directions (encode's error grew 25-150x without a word), and the
+#: kernels' fp32 Gram matrix of S^T q0 overflows at column norms near 1e19. default_q0's columns have unit norm and an
+#: eigenvalue ratio near 0.9; a Gaussian's (norm ~11) pass as well.
+Q0_NORM_RANGE = (2.0 ** -10, 2.0 ** 10)
+Q0_MIN_EIGEN_RATIO = 1e-6
+
 # ---- the decode step (docs/spec.md section 7) ---------------------------------------------------------------------------
 #: added to the squared norm of a key / query before the square root (an all-zero key normalises to zero)
 NORM_EPS = 1e-6

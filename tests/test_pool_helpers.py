@@ -198,6 +198,12 @@ ENCODE_CASES = [
     ("q0 nan", GATES, _poke("q0", float("nan")), r"q0: values must be finite"),
     ("q0 integer", GATES, _set("q0", torch.ones(V, R, dtype=torch.int64)), r"q0: expected a floating-point"),
     ("q0 list", GATES, _set("q0", [[0.0] * R] * V), r"q0: expected a torch.Tensor"),
+    ("q0 zero", GATES, _set("q0", torch.zeros(V, R)), r"q0: its columns' norms must lie in \[0.000976562, 1024\]"),
+    ("q0 one zero column", GATES, _set("q0", lambda a: torch.cat([a["q0"][:, :3], torch.zeros(V, 1)], 1)),
+     r"q0: its columns' norms must lie in"),
+    ("q0 huge", GATES, _set("q0", lambda a: a["q0"] * 1e19), r"q0: its columns' norms must lie in"),
+    ("q0 one column repeated", GATES, _set("q0", lambda a: a["q0"][:, [0, 1, 2, 0]]),
+     r"q0: its columns must be independent"),
 ]
 INT_SLOTS = r"slots: expected integer slot numbers"
 # slot selections every helper rejects, and those only the writers reject (reads may repeat a slot)

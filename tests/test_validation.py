@@ -159,6 +159,13 @@ def test_functional_form_names_the_bad_argument(gate):
     bad[-1] = torch.full_like(args[-1], float("nan"))               # an uninitialised start matrix, say
     with pytest.raises(ValueError, match="q0: values must be finite"):
         fn(*bad)
+    for q0, match in [(torch.zeros_like(args[-1]), "q0: its columns' norms must lie in"),       # a buffer never set
+                      (args[-1] * 1e19, "q0: its columns' norms must lie in"),
+                      (args[-1][:, [0, 0, 1, 2]], "q0: its columns must be independent")]:
+        bad = list(args)
+        bad[-1] = q0.contiguous()
+        with pytest.raises(ValueError, match=match):
+            fn(*bad)
     bad = [x.to("meta") for x in args]
     with pytest.raises(ValueError, match="codes: expected a tensor with data, got one on the meta device"):
         fn(*bad)
