@@ -307,9 +307,9 @@ class Pool:
     overlap one another either: a pool checks its own buffers, not another pool's.
 
     The bulk helpers (:meth:`write_checkpoint`, :meth:`read_checkpoint`, :meth:`write_window`, :meth:`read_window`,
-    :meth:`encode`, :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence; :meth:`copy_slots`: a fork)
-    check every argument against :data:`FIELDS` before writing anything: a bad one raises a ``ValueError`` naming it
-    and leaves the pool byte-identical.
+    :meth:`encode`, :meth:`decode`) and the life-cycle helpers (:meth:`reset_slots`: a new sequence;
+    :meth:`copy_slots`: a fork) check every argument against :data:`FIELDS` before writing anything: a bad one raises
+    a ``ValueError`` naming it and leaves the pool byte-identical.
 
     Attributes (NS = num_slots, H = num_heads):
         raw    fp32 [NS * (H + 1) * V * K + OFF]
