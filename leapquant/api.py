@@ -22,9 +22,10 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
 
     pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (``<= 0``: no sequence, the row is
     skipped, as engines pad with -1 or 0). q0: fp32 [V, R], the start of the subspace iteration, shared by all
-    programs: finite, its columns near unit norm as :func:`leapquant.default_q0`'s (the kernels form S^T q0's Gram
-    matrix in fp32; its values are not read on the host). A program (slot, head) is due when ``hcnt == L``; its checkpoint is rewritten and its window reset
-    (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt`` stays ``L``. A due program whose window is
+    programs: finite, independent columns near unit norm as :func:`leapquant.default_q0`'s (the kernels form S^T q0's
+    Gram matrix in fp32; its values are not read on the host). A program (slot, head) is due when ``hcnt == L``; its
+    checkpoint is rewritten and its window reset (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt``
+    stays ``L``. A due program whose window is
     already empty (every ``w`` 0 and no decay: KDA every ``pcum`` 0, GDN ``p`` 1; ``reference.empty_window``) is left
     as it is, so a second call without a decode step in between changes nothing. Everything else in the pool stays
     bitwise untouched.
@@ -170,8 +171,9 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
     same rows, which folds exactly the windows this step filled (their fill count is now L; every other program of
     those rows has a fill count below L: the flush skips it). Arguments as the two calls'; returns ``out``.
 
-    Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per layer per token for an engine; on
-    the GPU backends both are graph-capturable launches (a separate step kernel and flush kernel: not fused)."""
+    Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per
+    layer per token for an engine; on the GPU backends both are graph-capturable launches (a separate step kernel and
+    flush kernel: not fused)."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
     check_q0(pool, q0, out)                   # (the pool and idx, and idx's values if asked for: checked just above)
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")

@@ -241,8 +241,9 @@ def check_start_matrix(q0: torch.Tensor) -> None:
                          f"leapquant.default_q0: unit columns), got {', '.join(f'{n:.3g}' for n in norms)}")
     eig = torch.linalg.eigvalsh(gram)
     if float(eig[0]) < Q0_MIN_EIGEN_RATIO * float(eig[-1]):
+        values = ", ".join(f"{e:.3g}" for e in eig.tolist())
         raise ValueError(f"q0: its columns must be independent (the subspace iteration starts from R = {R} "
-                         f"directions); its Gram matrix's eigenvalues are {', '.join(f'{e:.3g}' for e in eig.tolist())}")
+                         f"directions); its Gram matrix's eigenvalues are {values}")
 
 
 def as_int(x: object) -> int | None:
