@@ -1,49 +1,36 @@
 #!/usr/bin/env bash
-# The GPU test tier (bench/results/TESTS.md): the whole suite on the project's GPU in six shards run side by side
-# (the shards share the GPU: no verdict rests on a time but the benchmark timers' own tests, which compare medians),
-# the compile tests for other targets left to CPU CI.
-# Usage: bench/gpu_tests.sh [OUT_DIR] [LIMIT_S] [SHARD ...]   (logs to OUT_DIR, default /tmp/gpu-tests; each shard
-# stops at LIMIT_S, default 540; SHARDs: conformance tilelang triton pool e2e rest, default all six). Prints each shard's
-# summary line and every failure. Six shards sharing one GPU take longer than a 600 s device call (bench/results/
-# TESTS.md, e52ee08): run the tier as two calls, e.g. "conformance e2e rest", then "tilelang triton pool".
+# The GPU test tier (bench/results/TESTS.md): the whole suite on the project's GPU, in one pytest run whose tests are
+# spread over WORKERS processes by pytest-xdist (work stealing: a worker that runs out takes the tests another has not
+# begun, so one long file does not hold the run up). The workers share the GPU and its compile caches; no test's
+# verdict rests on a time but the benchmark timers' own tests, which compare medians. The compile tests for other
+# targets are left to CPU CI.
+# Usage: bench/gpu_tests.sh [OUT_DIR] [LIMIT_S] [WORKERS] [PYTEST_ARGS ...]
+#   OUT_DIR (default /tmp/gpu-tests) receives tests.log (every line with its time), summary.txt (the summary line and
+#   the passed / failed / skipped count of each file) and the failures; the run stops at LIMIT_S (default 540);
+#   WORKERS defaults to half the cores; PYTEST_ARGS (default: tests/) narrow the run, e.g. a few files.
 set -u
 out=${1:-/tmp/gpu-tests}
 limit=${2:-540}
-shift 2 2>/dev/null || shift $#
-wanted=" ${*:-conformance tilelang triton pool e2e rest} "
+workers=${3:-$(( $(nproc) / 2 ))}
+shift 3 2>/dev/null || shift $#
+[ $# -gt 0 ] || set -- tests
 mkdir -p "$out"
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 sel="not deployment_sizes and not other_head_counts and not compiles"
-# Each shard's torch gets an equal share of the cores (OMP_NUM_THREADS) among the shards asked for: six processes of
-# one torch thread per core each left the CPU-bound tests (the reference, the CPU halves of the e2e and conformance
-# tests) fighting over 16 cores.
-shards=$(echo $wanted | wc -w)
-threads=$(( $(nproc) / shards )); [ "$threads" -ge 1 ] || threads=1
+# Each worker's torch gets an equal share of the cores: one torch thread per core in every process left the CPU-bound
+# tests (the reference, the CPU halves of the e2e and conformance tests) fighting over the cores.
+threads=$(( $(nproc) / workers )); [ "$threads" -ge 1 ] || threads=1
 stamp() { while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done; }   # each log line with its time
-shard() {   # shard NAME FILE...  (only the shards asked for)
-    local name=$1 t0=$SECONDS rc
-    shift
-    case "$wanted" in *" $name "*) ;; *) return 0;; esac
-    PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$threads timeout "$limit" python -m pytest -v -p no:cacheprovider -rfEs --tb=short \
-        --durations=15 "$@" -k "$sel" 2>&1 | stamp > "$out/$name.log"
-    rc=${PIPESTATUS[0]}
-    echo "$name: rc=$rc $((SECONDS - t0)) s: $(grep -E '=+ .*(passed|failed).* =+$' "$out/$name.log" | tail -1)" \
-        >> "$out/summary.txt"
-}
-: >> "$out/summary.txt"
-all=$(ls tests/test_*.py)
-tilelang="tests/test_tilelang.py tests/test_tilelang_sync.py"
-triton="tests/test_triton.py tests/test_triton_step.py"
-pool="tests/test_pool_helpers.py tests/test_reference.py tests/test_step_reference.py tests/test_step_pool.py"
-e2e="tests/test_end_to_end.py"
-rest=$(for f in $all; do case " tests/test_conformance.py $tilelang $triton $pool $e2e " in *" $f "*) ;;
-                         *) echo "$f";; esac; done)
-shard conformance tests/test_conformance.py &
-shard tilelang $tilelang &
-shard triton $triton &
-shard pool $pool &
-shard e2e $e2e &
-shard rest $rest &
-wait
+t0=$SECONDS
+PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$threads timeout "$limit" python -m pytest -v -p no:cacheprovider -rfEs \
+    --tb=short --durations=25 -n "$workers" --dist worksteal "$@" -k "$sel" 2>&1 | stamp > "$out/tests.log"
+rc=${PIPESTATUS[0]}
+{
+    echo "rc=$rc $((SECONDS - t0)) s, $workers workers of $threads threads: $(grep -E '=+ .*(passed|failed).* =+$' \
+        "$out/tests.log" | tail -1)"
+    # per file: what each test ended as (xdist's -v lines: "[gwN] [ P%] OUTCOME tests/file.py::test")
+    grep -oE "(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) tests/[a-z_]+\.py" "$out/tests.log" | sort | uniq -c \
+        | awk '{n[$3]=n[$3] " " $1 " " tolower($2)} END {for (f in n) print f ":" n[f]}' | sort
+} > "$out/summary.txt"
 cat "$out/summary.txt"
-grep -hE "^[0-9:]+ (FAILED|ERROR) " "$out"/*.log || true
+grep -E "^[0-9:]+ .*(FAILED|ERROR) tests/" "$out/tests.log" || true
