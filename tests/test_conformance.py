@@ -117,14 +117,25 @@ def test_zero_state_decodes_to_exactly_zero(backend, gate, family):
     assert float(reference.decode_checkpoint(*[x.cpu() for x in out]).abs().max()) == 0.0
 
 
+@pytest.fixture(params=[(backend, op) for op in OPS for backend in BACKENDS], ids="-".join, scope="module")
+def serving_op(request) -> tuple[str, str]:
+    """(backend, op): a backend that serves the op for some geometry here (8 heads, either gate); skipped with its
+    reasons otherwise, as :func:`serving_backend`."""
+    name, op = request.param
+    if not (served(name, 8, "kda", skip=False, op=op) or served(name, 8, "gdn", skip=False, op=op)):
+        served(name, 8, "kda", op=op)
+    return name, op
+
+
 @given(gate=st.sampled_from(["kda", "gdn"]), seed=st.integers(0, 2**16), batch=st.integers(1, 2),
        heads=st.sampled_from([2, 5, 8, 12, 16]))
-def test_random_geometries(serving_backend, gate, seed, batch, heads):
-    """Random batch, heads, gate and seed (families cycle over the heads), against the reference."""
-    backend = serving_backend
-    assume(served(backend, heads, gate, skip=False))
-    case = families.make_case(batch, heads, gate, seed=seed).to(DEVICE)
-    v = _judge_flush(case, case.run(backend=backend), backend)
+def test_random_geometries(serving_op, gate, seed, batch, heads):
+    """Random batch, heads, gate and seed (families cycle over the heads), against the reference, for every op."""
+    backend, op = serving_op
+    assume(served(backend, heads, gate, skip=False, op=op))
+    o = OPS[op]
+    case = o.make_case(batch, heads, gate, seed=seed).to(DEVICE)
+    v = o.judge(case, o.run(case, backend), backend)
     assert v.passed, v.message
 
 
