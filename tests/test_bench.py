@@ -278,6 +278,7 @@ def test_wall_timer_rows_say_so(tmp_path):
     assert row["timing"].startswith("host wall-clock per eager call") and float(row["median_us"]) > 0
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("timer", ["events", "wall"])
 def test_preparation_runs_before_each_call_and_outside_its_time(timer, device):
@@ -308,6 +309,7 @@ def test_preparation_runs_before_each_call_and_outside_its_time(timer, device):
         f"the preparation's 20 ms reached the samples: {sorted(samples)}"
 
 
+@pytest.mark.timing
 def test_kernel_timer_prepares_every_round_outside_the_calls(cuda_device):
     """time_calls_kernel with a preparation: every replayed call finds its set restored (the call records what it found
     and consumes it), and no call's span holds the preparation's kernels. One slot set, so a preparation follows every
