@@ -131,7 +131,8 @@ def beta_probe(b_ptr, out_ptr, BETA_BF16: gl.constexpr):
 @gluon.jit
 def digits_probe(x_ptr, digits_ptr, unit_ptr):
     """The Gluon step kernel's digits of one K-vector per program (gluon_step_kernel._digits, as phase (4) calls it):
-    digits [4, K] int8 (d0 .. d3) and the unit; tests/test_triton_step.py checks them on a GPU."""
+    digits [4, K] int8 (d0 .. d3) and the unit; tests/test_triton_step.py checks them on a GPU. Launched with
+    the step kernel's warps (gluon_step_kernel.WARPS), which its layout KVEC is written for."""
     i = gl.program_id(0)
     kk = gl.arange(0, _K, layout=KVEC)
     x = gl.load(x_ptr + i * _K + kk)

@@ -383,6 +383,7 @@ def test_gluon_digits_rebuild_every_value():
     if launch.mma_reasons(DEVICE):
         pytest.skip("; ".join(launch.mma_reasons(DEVICE)))
     from gluon_probes import digits_probe
+    from leapquant.triton.gluon_step_kernel import WARPS
     g = torch.Generator().manual_seed(7)
     base = torch.randn(64, K, generator=g, dtype=torch.float64)
     scales = [2.0 ** e for e in (-140, -130, -126, -123, -100, -30, -1, 0, 1, 30, 100, 120)]
@@ -399,7 +400,7 @@ def test_gluon_digits_rebuild_every_value():
     x = torch.cat([x, bad])
     digits = torch.full((x.shape[0], 4, K), 99, dtype=torch.int8, device=DEVICE)
     unit = torch.full((x.shape[0],), 1.0, dtype=torch.float32, device=DEVICE)
-    digits_probe[(x.shape[0],)](x.to(DEVICE), digits, unit, num_warps=4)
+    digits_probe[(x.shape[0],)](x.to(DEVICE), digits, unit, num_warps=WARPS)
     d, u, xd = digits.cpu().long()[:-2], unit.cpu().double(), x.double()[:-2]
     assert bool(torch.isnan(u[-2:]).all()), u[-2:]
     u = u[:-2]
