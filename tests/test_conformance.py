@@ -41,14 +41,18 @@ def served(backend: str, heads: int, gate: str, skip: bool = True, op: str = "fl
     return not why
 
 
+def serves_some_geometry(backend: str, op: str = "flush") -> None:
+    """Skips the test with the reasons unless ``backend`` serves ``op`` for some geometry here (8 heads, either gate):
+    before hypothesis draws anything, since its examples would all be filtered out."""
+    if not (served(backend, 8, "kda", skip=False, op=op) or served(backend, 8, "gdn", skip=False, op=op)):
+        served(backend, 8, "kda", op=op)
+
+
 @pytest.fixture(params=BACKENDS, scope="module")
 def serving_backend(request) -> str:
-    """A backend that serves some geometry here (8 heads, both gates); skipped with its reasons otherwise (before
-    hypothesis draws anything: its examples would all be filtered out)."""
-    name = request.param
-    if not (served(name, 8, "kda", skip=False) or served(name, 8, "gdn", skip=False)):
-        served(name, 8, "kda")
-    return name
+    """A backend that serves the flush for some geometry here (:func:`serves_some_geometry`)."""
+    serves_some_geometry(request.param)
+    return request.param
 
 
 # ---- the ops ------------------------------------------------------------------------------------------------------
@@ -119,12 +123,9 @@ def test_zero_state_decodes_to_exactly_zero(backend, gate, family):
 
 @pytest.fixture(params=[(backend, op) for op in OPS for backend in BACKENDS], ids="-".join, scope="module")
 def serving_op(request) -> tuple[str, str]:
-    """(backend, op): a backend that serves the op for some geometry here (8 heads, either gate); skipped with its
-    reasons otherwise, as :func:`serving_backend`."""
-    name, op = request.param
-    if not (served(name, 8, "kda", skip=False, op=op) or served(name, 8, "gdn", skip=False, op=op)):
-        served(name, 8, "kda", op=op)
-    return name, op
+    """(backend, op): a backend that serves the op for some geometry here (:func:`serves_some_geometry`)."""
+    serves_some_geometry(*request.param)
+    return request.param
 
 
 @given(gate=st.sampled_from(["kda", "gdn"]), seed=st.integers(0, 2**16), batch=st.integers(1, 2),
