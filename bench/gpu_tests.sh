@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU test tier (bench/results/TESTS.md): the whole suite on the project's GPU, in one pytest run whose tests are
 # spread over WORKERS processes by pytest-xdist (work stealing: a worker that runs out takes the tests another has not
-# begun, so one long file does not hold the run up). The workers share the GPU and its compile caches; no test's
-# verdict rests on a time but the benchmark timers' own tests, which compare medians. The compile tests for other
-# targets are left to CPU CI.
+# begun, so one long file does not hold the run up). The workers share the GPU and its compile caches, so the tests
+# marked `timing` (the benchmark timers' own, whose verdicts compare medians of measured times) run afterwards, alone.
+# The compile tests for other targets are left to CPU CI.
 # Usage: bench/gpu_tests.sh [OUT_DIR] [LIMIT_S] [WORKERS] [PYTEST_ARGS ...]
 #   OUT_DIR (default /tmp/gpu-tests) receives tests.log (every line with its time), timing.log (the tests marked
 #   `timing`, run after the others with the GPU to themselves), summary.txt (the summary lines and the passed / failed /
@@ -22,15 +22,15 @@ sel="not deployment_sizes and not other_head_counts and not compiles"
 # tests (the reference, the CPU halves of the e2e and conformance tests) fighting over the cores.
 threads=$(( $(nproc) / workers )); [ "$threads" -ge 1 ] || threads=1
 stamp() { while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done; }   # each log line with its time
+pytest=(python -m pytest -v -p no:cacheprovider -rfEs --tb=short "$@" -k "$sel")
 t0=$SECONDS
-# the tests whose verdict compares measured times run after the others, alone: beside seven other workers a tiny
-# kernel's span held their kernels' time slices (a median of 46 us against 5 expected, H200, c01dc47)
-PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$threads timeout "$limit" python -m pytest -v -p no:cacheprovider -rfEs \
-    --tb=short --durations=25 -n "$workers" --dist worksteal "$@" -k "$sel" -m "not timing" 2>&1 | stamp > "$out/tests.log"
+PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$threads timeout "$limit" "${pytest[@]}" --durations=25 -n "$workers" \
+    --dist worksteal -m "not timing" 2>&1 | stamp > "$out/tests.log"
 rc=${PIPESTATUS[0]}
+# the timing tests alone: beside seven other workers a tiny kernel's span held their kernels' time slices
+# (bench/results/TESTS.md)
 left=$(( limit - (SECONDS - t0) )); [ "$left" -ge 1 ] || left=1
-PYTHONUNBUFFERED=1 timeout "$left" python -m pytest -v -p no:cacheprovider -rfEs --tb=short "$@" -k "$sel" \
-    -m timing 2>&1 | stamp > "$out/timing.log"
+PYTHONUNBUFFERED=1 timeout "$left" "${pytest[@]}" -m timing 2>&1 | stamp > "$out/timing.log"
 rc_timing=${PIPESTATUS[0]}
 {
     echo "rc=$rc, $workers workers of $threads threads: $(grep -E '=+ .*(passed|failed).* =+$' "$out/tests.log" | tail -1)"
