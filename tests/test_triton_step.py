@@ -440,9 +440,9 @@ print(len(k.asm["cubin"]), sass.count("LDGSTS"), sass.count("LDL") + sass.count(
 """
 
 
-#: local-memory instructions the register cap (gluon_step_kernel.MAX_REGISTERS) may cost: KDA 18 on sm_90, 16 on sm_100,
-#: none on sm_80; GDN none
-STEP_SPILL_BUDGET = {"kda": 18, "gdn": 0}
+#: local-memory instructions the kernel may hold as the launch builds it (2 warps, no register cap; triton 3.6's
+#: ptxas): KDA 6 on sm_90, where ptxas stops at 128 registers (146 on sm_80 and 139 on sm_100, no spills); GDN none
+STEP_SPILL_BUDGET = {"kda": 6, "gdn": 0}
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])

@@ -1,7 +1,7 @@
 """The Triton backend's decode step on a GPU, written in Gluon (explicit layouts), for sm_80 and newer.
 
 Same contract, grid and arguments as the portable step kernel (:mod:`leapquant.triton.step_kernel`, which the
-interpreter runs and which serves where Gluon cannot): one program of 4 warps per (row, head), S applied to kn and qn
+interpreter runs and which serves where Gluon cannot): one program of 2 warps per (row, head), S applied to kn and qn
 without being formed. What differs is that every tensor has a layout chosen so that the sums stay inside a thread,
 and that no load waits for the window's fill count:
 
@@ -41,13 +41,17 @@ from .gluon_pool import PoolRefs, aggregate
 
 assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are written for a 128 x 128 state"
 
-#: warps of one program: one channel (and one state row) per thread
-WARPS = 4
-#: the launch's register cap per gate (ptxas maxnreg; None: none): KDA takes 111 registers uncapped (4 programs per
-#: SM) and spills 36 bytes under the cap (5 programs; 18 local-memory instructions on sm_90); GDN takes 80 uncapped
-#: (6 programs). Measured on the H200 (batch 256, fill 15; docs/design-triton.md, the step's variants): KDA under
-#: 96 / 80 / 72: 87.3 / 91.5 / 93.6 us; GDN uncapped / 80 / 72: 68.1 / 69.5 / 67.1 us (within 1.5 %)
-MAX_REGISTERS = {"kda": 96, "gdn": None}
+#: warps of one program. The layouts below are written per warp and wrap over the program's 64 threads, so where a
+#: comment says "a channel per thread" (or a state row, an entry) a thread holds two, c and c + 64: every vector phase
+#: has two independent chains per instruction, and the program issues 26 % (KDA) / 34 % (GDN) fewer warp instructions
+#: than at 4 warps. Measured side by side on the H200 (fill 15; docs/design-triton.md, the step's variants), 4 / 2 / 1
+#: warps: KDA batch 64 / 256 / 512 26.9 / 26.1 / 26.9, 87.0 / 82.3 / 95.0, 166.9 / 156.1 / 184.4 us; GDN 22.5 / 21.0 /
+#: 22.0, 67.7 / 65.2 / 66.8, 127.6 / 120.8 / 122.3 us
+WARPS = 2
+#: the launch's register cap per gate (ptxas maxnreg; None: none). At 2 warps neither gate is capped: KDA takes 128
+#: registers (8 programs per SM), GDN 124. At 4 warps KDA ran under a cap of 96 (111 registers uncapped; 96 / 80 / 72:
+#: 87.3 / 91.5 / 93.6 us at batch 256) and GDN uncapped (80 registers; uncapped / 80 / 72: 68.1 / 69.5 / 67.1 us)
+MAX_REGISTERS = {"kda": None, "gdn": None}
 
 _V = gl.constexpr(V)
 _K = gl.constexpr(K)
@@ -71,12 +75,12 @@ _KSTEP = gl.constexpr(64)                   #: channels per step of phase (5): t
 #: biased exponent)
 _DIGIT_EXP = gl.constexpr(127 + 26)
 
-# ---- layouts (4 warps) -------------------------------------------------------------------------------------------
-#: [L, K] window tiles: a column (all L entries of one channel) per thread, channel = 32 warp + lane
+# ---- layouts (per warp; at 2 warps each wraps once over the rows or channels) ---------------------------------------
+#: [L, K] window tiles: a column (all L entries of one channel) per thread, channel = 32 warp + lane (+ 64)
 WCOL = gl.constexpr(gl.BlockedLayout([L, 1], [1, 32], [1, WARPS], [0, 1]))
 #: a K-vector, one channel per thread (as WCOL slices it)
 KVEC = gl.constexpr(gl.SliceLayout(0, WCOL))
-#: [V, L] ubuf^T: a state row (its L window values) per thread, row = 32 warp + lane; [V, R] q_old^T alike
+#: [V, L] ubuf^T: a state row (its L window values) per thread, row = 32 warp + lane (+ 64); [V, R] q_old^T alike
 VROW = gl.constexpr(gl.BlockedLayout([1, L], [32, 1], [WARPS, 1], [1, 0]))
 #: [L, 2] / [R, 2] pairs of per-entry values (keys kn, keys qn) with every entry in every thread, as VROW's columns
 PAIRS = gl.constexpr(gl.BlockedLayout([L, 2], [32, 1], [WARPS, 1], [1, 0]))
@@ -88,7 +92,7 @@ VVEC = gl.constexpr(gl.SliceLayout(1, VROW))
 CODES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0]))
 #: a K-vector as every thread of a CODES tile needs it: its 16 channels
 CODE_COLS = gl.constexpr(gl.SliceLayout(0, CODES))
-#: phase (5): [V, 8] int32 mma accumulators, warp w holding rows 16 w .. 16 w + 15 and 64 + 16 w ..; the codes and
+#: phase (5): [V, 8] int32 mma accumulators, warp w holding rows 16 w .. 16 w + 15 and every 32nd row on; the codes and
 #: X's digits as its int8 operands, each thread holding 16 consecutive channels of a row (k_width 16) in a step of 64
 #: channels (two k = 32 mma steps: the four threads of a quad cover the 64): one 16-byte load of codes per row and
 #: step, the same channel order in both operands, so the sum over the channels is unchanged
@@ -378,7 +382,7 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
 def step_kernel(raw_f32, raw_u8, raw_f16, kbuf_ptr, ubuf_ptr, w_ptr, gate_ptr, gbuf_ptr, hcnt_ptr, idx_ptr, qkv_ptr,
                 a_ptr, b_ptr, A_log_ptr, dt_ptr, out_ptr, num_slots, SS, qkv_stride, a_stride, b_stride,
                 H: gl.constexpr, HK: gl.constexpr, IS_KDA: gl.constexpr, BETA_BF16: gl.constexpr):
-    """Program ``pid`` = row * H + head of the grid (N * H,), 4 warps: the portable kernel's arguments
+    """Program ``pid`` = row * H + head of the grid (N * H,), :data:`WARPS` warps: the portable kernel's arguments
     (step_kernel.step_kernel) without BV."""
     pid = gl.program_id(0)
     row = (pid // H).to(gl.int64)
