@@ -93,13 +93,14 @@ class Field:
 
     An integer field must be given in exactly ``dtype``; a floating field in any floating dtype (it is converted, and
     a value that does not survive the conversion, e.g. an fp32 token above the fp16 range, fails the value check).
-    Every floating value must be finite."""
+    Every floating value must be finite, but -inf where ``neg_inf`` admits it."""
     dims: tuple[str, ...]
     dtype: torch.dtype
     lo: float | None = None      #: smallest admitted value
     hi: float | None = None      #: largest admitted value
     lo_open: bool = False        #: ``lo`` itself is excluded
     empty: float = 0.0           #: the value of a new pool and of an empty window (a flush's window reset)
+    neg_inf: bool = False        #: -inf is admitted as well (a log-decay that saturated)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -107,7 +108,7 @@ class Field:
 
     def domain(self) -> str:
         """The admitted values, in words."""
-        finite = "" if not self.dtype.is_floating_point else "finite"
+        finite = "" if not self.dtype.is_floating_point else "finite" + (" or -inf" if self.neg_inf else "")
         if self.lo is None and self.hi is None:
             return finite
         if self.hi is None:
@@ -120,7 +121,8 @@ class Field:
 
     def bad_mask(self, t: torch.Tensor) -> torch.Tensor:
         """Element-wise: this value of ``t`` (already in ``dtype``) is not admitted."""
-        parts = [~torch.isfinite(t)] if t.is_floating_point() else []
+        parts = [~torch.isfinite(t) & ~((t == float("-inf")) if self.neg_inf else False)] if t.is_floating_point() \
+            else []
         if self.lo is not None:
             parts.append((t <= self.lo) if self.lo_open else (t < self.lo))
         if self.hi is not None:
@@ -134,7 +136,9 @@ class Field:
 
 #: Every tensor a (sequence, head) owns in the pool, by the name the bulk helpers' arguments carry. Value ranges follow
 #: the SPEC's domain, widened where a decode step can legitimately leave it: gbuf and p may underflow to 0 (a step
-#: stores exp(g) rounded to fp16, and p shrinks by a factor per step), so they are checked in [0, 1], not (0, 1].
+#: stores exp(g) rounded to fp16, and p shrinks by a factor per step), so they are checked in [0, 1], not (0, 1]; pcum
+#: may be -inf (a gate pre-activation of +inf, or one whose softplus overflows fp32, saturates g to -inf, and the step
+#: stores pcum + g), so that what :meth:`Pool.read_window` returns can always be written back.
 FIELDS: dict[str, Field] = {
     "codes": Field(("V", "K"), torch.int8, -QMAX, QMAX),
     "s_k": Field(("K",), torch.float32, 0.0, lo_open=True),
@@ -144,7 +148,7 @@ FIELDS: dict[str, Field] = {
     "kbuf": Field(("L", "K"), torch.bfloat16),
     "ubuf": Field(("L", "V"), torch.bfloat16),
     "w": Field(("L",), torch.float32, 0.0, 1.0),
-    "pcum": Field(("K",), torch.float32, hi=0.0),
+    "pcum": Field(("K",), torch.float32, hi=0.0, neg_inf=True),
     "gbuf": Field(("L", "K"), torch.float16, 0.0, 1.0, empty=1.0),
     "p": Field((), torch.float32, 0.0, 1.0, empty=1.0),
     "hcnt": Field((), torch.int32, 0, L),
@@ -523,7 +527,7 @@ class Pool:
     def write_window(self, slots, kbuf: torch.Tensor, ubuf: torch.Tensor, w: torch.Tensor,
                      gate: torch.Tensor, gbuf: torch.Tensor | None = None, fill: int | torch.Tensor = L) -> None:
         """Store windows into ``slots`` (n slots): kbuf [n, H, L, K], ubuf [n, H, L, V] (finite), w [n, H, L] in
-        [0, 1]; KDA: ``gate`` is pcum [n, H, K] (finite, <= 0) and ``gbuf`` [n, H, L, K] in [0, 1] is required;
+        [0, 1]; KDA: ``gate`` is pcum [n, H, K] (<= 0, finite or -inf) and ``gbuf`` [n, H, L, K] in [0, 1] is required;
         GDN: ``gate`` is p [n, H] in [0, 1] and ``gbuf`` must be None. Shapes must match exactly (nothing is
         broadcast); any floating dtype and any device are accepted and converted. ``hcnt`` of the slots is set to
         ``fill``: an int in [0, L] for every program (``L``: due at the next flush, or "flushed, empty" for the decode

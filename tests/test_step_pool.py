@@ -269,6 +269,33 @@ def test_offload_and_restore_mid_window(gate):
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
 
 
+def test_saturated_decay_round_trips_through_the_bulk_helpers():
+    """A KDA gate pre-activation of +inf saturates g to -inf, and the step stores pcum = -inf on that channel: the
+    window read back (read_window) writes into another slot (write_window admits -inf for pcum), the functional step
+    takes it, and the next step from either slot is the same."""
+    hk, pool, slots = _new_sequences("kda", noise_seed=4)
+    g = torch.Generator().manual_seed(8)
+    pool.encode(slots, 0.05 * torch.randn(2, H, V, K, generator=g))
+    A_log, dt_bias = sf.head_constants(H, "kda", g)
+    qkv, a, b, _, _ = _token_rows(1, "kda", hk, g)
+    a[0, 1, 5] = float("inf")
+    lq.step_inplace(pool, torch.tensor([1], dtype=torch.int32), qkv, a, b, A_log, dt_bias)
+    assert float(pool.pcum[1, 1, 5]) == float("-inf") and bool(torch.isfinite(pool.pcum[1, 0]).all())
+    pool.write_checkpoint([3], *pool.read_checkpoint([1]))
+    kbuf, ubuf, w, pcum, gbuf, fill = pool.read_window([1])
+    pool.write_window([3], kbuf, ubuf, w, pcum, gbuf, fill=fill)
+    qkv, a, b, _, _ = _token_rows(2, "kda", hk, g)
+    qkv[1], a[1], b[1] = qkv[0], a[0], b[0]
+    out = lq.step_inplace(pool, torch.tensor([1, 3], dtype=torch.int32), qkv, a, b, A_log, dt_bias)
+    assert torch.equal(out[0], out[1]) and bool(torch.isfinite(out.float()).all())
+    ck = pool.read_checkpoint([1])
+    kbuf, ubuf, w, pcum, gbuf, fill = pool.read_window([1])
+    res = lq.step(*ck, kbuf, ubuf, gbuf, w, pcum, fill, qkv[:1, :hk * K].reshape(1, hk, K),
+                  qkv[:1, hk * K:2 * hk * K].reshape(1, hk, K), qkv[:1, 2 * hk * K:].reshape(1, H, V), a[:1], b[:1],
+                  A_log, dt_bias)
+    assert bool(torch.isfinite(res[0].float()).all()) and float(res[-1][0, 1, 5]) == float("-inf")
+
+
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_decode_inplace_flushes_the_windows_it_fills(gate):
     """decode_inplace = step, then the flush of the windows that step filled: over 2 L + 3 tokens every stepped
