@@ -31,8 +31,9 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
     bitwise untouched.
 
     backend: ``None`` (LEAPQUANT_BACKEND / use_backend / auto), or one of ``auto, reference, triton, tilelang``.
-    check_idx: also check idx's values (every slot < num_slots, no slot twice): a host synchronisation, so off by
-    default (``None``: the ``LEAPQUANT_CHECK_IDX`` environment switch); unchecked, slots >= num_slots are skipped.
+    check_idx: also check idx's values (every slot < num_slots, no slot twice) and the fill counts of their programs
+    (in [0, L]): a host synchronisation, so off by default (``None``: the ``LEAPQUANT_CHECK_IDX`` environment switch);
+    unchecked, slots >= num_slots are skipped.
     The call never synchronises with the host otherwise (the reference backend does: it is the slow fallback).
     Raises ValueError on bad arguments (before any launch) and BackendUnavailable (a ValueError) when a forced
     backend cannot serve."""

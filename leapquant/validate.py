@@ -6,8 +6,9 @@ until one of them is replaced, idx and q0 on every call. The *values* of idx (ra
 copy, so they are checked only when asked: ``flush_inplace(..., check_idx=True)`` or ``LEAPQUANT_CHECK_IDX=1``
 (a debugging switch; it cannot be used while a CUDA graph is being captured). Without it the kernels skip every row
 whose slot is outside ``[1, num_slots)`` (``idx <= 0`` is how engines pad: vLLM with -1, SGLang with 0); a slot that
-appears twice in one call is a caller error the unchecked path does not detect, and so is a step of a program whose
-full window no flush has folded (the switch checks that too, for the step).
+appears twice in one call is a caller error the unchecked path does not detect, and so are a fill count outside
+[0, L] (a pool built on the engine's uninitialised buffers and never reset) and a step of a program whose full
+window no flush has folded (the switch checks both: the fill counts for every op, the window for the step).
 """
 from __future__ import annotations
 
@@ -90,7 +91,9 @@ def _want_idx_values(check_idx: object) -> bool:
 
 
 def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:
-    """The values of idx (host-synchronising): every slot < num_slots (``<= 0`` skips the row) and no slot > 0 twice."""
+    """The values of idx (host-synchronising): every slot < num_slots (``<= 0`` skips the row) and no slot > 0 twice;
+    and the fill counts of those slots' programs in [0, L]: the kernels read any other count as the nearest end of
+    that range, so a count that was never initialised would drop or fold the window without an error."""
     if capturing(pool.device):
         raise ValueError(f"check_idx: the idx value checks read idx on the host, which a CUDA graph capture forbids "
                          f"(unset {CHECK_IDX_ENV} or pass check_idx=False while capturing)")
@@ -102,6 +105,13 @@ def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:
     live = idx[idx > 0]
     if torch.unique(live).numel() != live.numel():
         raise ValueError("idx: a slot appears more than once (each sequence owns one slot)")
+    hc = pool.hcnt[live.long()]
+    bad = (hc < 0) | (hc > L)
+    if bool(bad.any()):
+        row, head = bad.nonzero()[0].tolist()
+        raise ValueError(f"hcnt: slot {int(live[row])}, head {head} has fill count {int(hc[row, head])}, outside "
+                         f"[0, {L}] (a new sequence's slot starts from reset_slots; an engine's own hcnt buffer is "
+                         f"not initialised by Pool)")
 
 
 def check_windows_folded(pool: Pool, idx: torch.Tensor) -> None:

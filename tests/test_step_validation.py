@@ -188,6 +188,16 @@ def test_a_step_before_the_flush_is_caught_by_the_idx_checks(pool):
                     args["out"], check_idx=True)
 
 
+def test_a_fill_count_outside_the_window_is_caught_by_the_idx_checks(pool):
+    """A fill count outside [0, L] would be read as the nearest end of the range (a count below 0 as an empty window,
+    whose live entries the step then overwrites): the host-synchronising checks name the program."""
+    pool.hcnt[[1, 3]] = 3
+    pool.hcnt[1, 0] = -1
+    _expect_rejected(pool, r"hcnt: slot 1, head 0 has fill count -1, outside \[0, 16\]", check_idx=True)
+    pool.hcnt[1, 0] = L + 1
+    _expect_rejected(pool, r"hcnt: slot 1, head 0 has fill count 17, outside \[0, 16\]", check_idx=True)
+
+
 def test_not_a_pool():
     args = good_args("kda")
     with pytest.raises(ValueError, match="pool: expected a leapquant.Pool"):

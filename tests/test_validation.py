@@ -54,6 +54,16 @@ def test_bad_idx_values_when_checked(pool, idx, match, monkeypatch):
     _expect_rejected(pool, idx, lq.default_q0(), match, check_idx=True)
 
 
+@pytest.mark.parametrize("count", [-1, lq.L + 1, 2 ** 31 - 1])
+def test_fill_count_outside_the_window_when_checked(pool, count):
+    """A fill count outside [0, L] (an engine's own hcnt buffer never initialised) is named by the value checks,
+    among the programs of idx's slots only."""
+    pool.hcnt[2, 1] = count
+    _expect_rejected(pool, IDX, lq.default_q0(), rf"hcnt: slot 2, head 1 has fill count {count}, outside \[0, {lq.L}\]",
+                     check_idx=True)
+    lq.flush_inplace(pool, torch.tensor([1, -1, 3], dtype=torch.int32), lq.default_q0(), check_idx=True)
+
+
 def test_idx_values_unchecked_by_default(pool, monkeypatch):
     """Without the debug switch the call reads no idx value on the host: rows whose slot is <= 0 (vLLM pads with -1,
     SGLang with 0) or >= num_slots are skipped by the backend; only the valid rows' due programs change."""
