@@ -305,7 +305,8 @@ class Pool:
     """Caller-owned slot pool: the checkpoints in one flat fp32 buffer, the windows in dense tensors.
 
     ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything (windows empty: ``w = 0``,
-    ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``). An engine that owns its buffers passes them by keyword
+    ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``; ``device=None``: the first given buffer's, raw's where given,
+    else the CPU). An engine that owns its buffers passes them by keyword
     (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); each may be a
     view into a larger buffer (several layers' states in one allocation) and starts on a 16-byte boundary (all but
     :data:`LOOSE_ALIGNMENT`'s), and no two may share memory. Pools carved from one allocation (one per layer) must not
@@ -350,9 +351,9 @@ class Pool:
         unknown = set(buffers) - {"raw", *self.WINDOW_FIELDS[gate]}
         if unknown:
             raise ValueError(f"unknown buffers for gate {gate!r}: {sorted(unknown)}")
-        if device is None:
-            raw = buffers.get("raw")
-            device = raw.device if isinstance(raw, torch.Tensor) else "cpu"
+        if device is None:                      # the first given buffer's (raw's where given), else the CPU
+            first = [t for n in ("raw", *self.WINDOW_FIELDS[gate]) if isinstance(t := buffers.get(n), torch.Tensor)]
+            device = first[0].device if first else "cpu"
         self.device = device_here(device, "the pool's tensors")
         self.num_slots, self.num_heads, self.gate = num_slots, num_heads, gate
         NS, H = num_slots, num_heads

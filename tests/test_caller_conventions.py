@@ -121,6 +121,22 @@ def test_pools_that_cannot_exist_are_refused(kwargs, match):
         lq.Pool(2, 1, **kwargs)
 
 
+def test_a_pool_takes_its_device_from_any_buffer_given():
+    """device=None: the device of the first buffer given (raw's where given), a window buffer's where only those are
+    given: one on the meta device is named as such, not as a mismatch with the CPU."""
+    kbuf = torch.zeros(2, 1, L, K, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="device: .*meta"):
+        lq.Pool(2, 1, kbuf=kbuf)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_window_buffers_alone_place_the_pool_on_their_gpu(gate):
+    hcnt = torch.zeros(3, 2, dtype=torch.int32, device="cuda")
+    pool = lq.Pool(3, 2, gate=gate, hcnt=hcnt)
+    assert pool.device == hcnt.device and pool.raw.device == hcnt.device and pool.hcnt is hcnt
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_cuda_pool_without_cuda_is_refused():
     with pytest.raises(ValueError, match="device: .cuda. cannot hold the pool.s tensors"):
