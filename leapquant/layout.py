@@ -304,10 +304,12 @@ def on_pool_device(pool: "Pool") -> contextlib.AbstractContextManager:
 class Pool:
     """Caller-owned slot pool: the checkpoints in one flat fp32 buffer, the windows in dense tensors.
 
-    ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything (windows empty: ``w = 0``,
-    ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``; ``device=None``: the first given buffer's, raw's where given,
-    else the CPU). An engine that owns its buffers passes them by keyword
-    (``raw=``, ``kbuf=``, ...); they are checked against the geometry and used as they are (no copy); each may be a
+    ``Pool(num_slots, num_heads=32, device=None, gate="kda")`` allocates everything in the state :meth:`reset_slots`
+    gives a new sequence (checkpoints of a zero state: codes and tokens 0, scales :data:`EPS`; windows empty: ``w =
+    0``, ``pcum = 0``, ``gbuf = 1``, ``p = 1``, ``hcnt = 0``; ``device=None``: the first given buffer's, raw's where
+    given, else the CPU). An engine that owns its buffers passes them by keyword (``raw=``, ``kbuf=``, ...); they are
+    checked against the geometry and used as they are (no copy, no initialisation: buffers of zeros are not empty
+    windows, whose ``gbuf`` and ``p`` are 1, so :meth:`reset_slots` starts each slot's first sequence); each may be a
     view into a larger buffer (several layers' states in one allocation) and starts on a 16-byte boundary (all but
     :data:`LOOSE_ALIGNMENT`'s), and no two may share memory. Pools carved from one allocation (one per layer) must not
     overlap one another either: a pool checks its own buffers, not another pool's.
@@ -336,8 +338,9 @@ class Pool:
 
     def __init__(self, num_slots: int, num_heads: int = DEFAULT_HEADS, device: torch.device | str | None = None,
                  gate: str = "kda", **buffers: torch.Tensor) -> None:
-        if gate not in GATES:
+        if not isinstance(gate, str) or gate.strip().lower() not in GATES:    # any case, as backend names
             raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
+        gate = gate.strip().lower()
         ns, nh = as_int(num_slots), as_int(num_heads)
         if ns is None or ns < 2:
             raise ValueError(f"num_slots: expected an int >= 2 (slot 0 is reserved), got {num_slots!r}")
@@ -371,6 +374,9 @@ class Pool:
             setattr(self, name, given[name] if name in given else torch.full(shape, fill, dtype=dtype,
                                                                                device=self.device))
         self._make_views()
+        if "raw" not in given:      # every checkpoint as reset_slots leaves it (zero scales are outside the format)
+            self.s_k.fill_(EPS)
+            self.s_v.fill_(EPS)
 
     # ---- views of raw ----------------------------------------------------------------------------------------------
     def _make_views(self) -> None:
@@ -574,7 +580,7 @@ class Pool:
         """Compress dense states [n, H, V, K] (finite; any floating dtype, computed in fp32) into the checkpoints of
         ``slots`` (how a prefill state enters the pool) from the start matrix q0 [V, R] (finite, independent columns
         of norm in :data:`Q0_NORM_RANGE`; default :func:`leapquant.reference.default_q0`); their windows are left as
-        they are."""
+        they are (a new sequence's slot: :meth:`reset_slots`, then encode)."""
         s = self._slots(slots)
         q0 = default_q0(self.device) if q0 is None else q0
         S, q0 = check_and_convert([("states", states, Field(("V", "K"), torch.float32), self._lead(s)),

@@ -417,6 +417,22 @@ def test_empty_selection_writes_nothing(gate):
     assert_untouched(pool, before)
 
 
+def test_a_new_pools_slots_read_back_and_write_back(gate):
+    """A new pool's slots hold what reset_slots gives a new sequence (scales EPS, not 0, which the format excludes):
+    every slot's checkpoint and window read back write back (an engine's snapshot of the whole pool)."""
+    pool = lq.Pool(3, H, gate=gate)
+    reset = lq.Pool(3, H, gate=gate, raw=torch.zeros_like(pool.raw))     # a caller's raw is used as it is
+    assert not bool(reset.s_k.any())
+    reset.reset_slots([1, 2])
+    for mine, theirs in zip(pool.read_checkpoint([1, 2]) + pool.read_window([1, 2]),
+                            reset.read_checkpoint([1, 2]) + reset.read_window([1, 2])):
+        assert (mine is None and theirs is None) or torch.equal(mine, theirs)
+    before = snapshot(pool)
+    pool.write_checkpoint([1, 2], *pool.read_checkpoint([1, 2]))
+    pool.write_window([1, 2], *pool.read_window([1, 2])[:5], fill=pool.read_window([1, 2])[5])
+    assert_untouched(pool, before)
+
+
 def test_encode_decode_round_trip(gate):
     """A dense state goes in through encode (fp64 accepted, computed in fp32) and comes back through decode within
     the format's error; only the slots' checkpoints change."""
