@@ -86,6 +86,18 @@ def test_second_call_keeps_state():
     assert all(torch.equal(after[name], before[name]) for name in before)
 
 
+def test_warmup_makes_room_for_every_slot(monkeypatch):
+    """warmup sizes the flush's workspace for a call of every slot (max(num_slots, MIN_ROW_CAPACITY) rows), so that an
+    engine that warms up and then captures never meets a batch larger than the workspace inside the capture."""
+    monkeypatch.setattr(launch, "MIN_ROW_CAPACITY", 2)
+    pool = Pool(6, 1, device=DEVICE)
+    before = snapshot(pool)
+    lq.warmup(pool, backend="triton")
+    assert launch._WORKSPACES[pool].rows >= pool.num_slots
+    after = snapshot(pool)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+
+
 def test_layout_constants_match_the_kernel():
     """The tl kernel's offsets are the layout's (a changed layout must fail here before it corrupts a pool)."""
     from leapquant.triton import tl_kernel as tk
@@ -289,6 +301,23 @@ def test_gpu_nothing_due_is_one_launch(gate, tl_kernel):
     """A call with nothing due launches one kernel (its programs rank the flags themselves and exit)."""
     names = nothing_due_launches("triton", gate, 32, DEVICE)
     assert len(names) == 1, f"{tl_kernel}: nothing due launched {len(names)} kernels: {names}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_capture_after_warmup_takes_a_batch_of_every_slot():
+    """After warmup alone, a flush of more rows than the workspace's minimum (every slot of a large pool, padding
+    among them) is captured and replayed: warmup made room for num_slots rows."""
+    pool = Pool(launch.MIN_ROW_CAPACITY + 8, 1, device=DEVICE)
+    lq.warmup(pool, backend="triton")
+    idx = torch.arange(pool.num_slots, dtype=torch.int32, device=DEVICE)
+    idx[::7] = -1
+    q0 = lq.default_q0(DEVICE)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        lq.flush_inplace(pool, idx, q0, backend="triton")
+    g.replay()
+    torch.cuda.synchronize()
 
 
 @gpu

@@ -130,8 +130,10 @@ def _workspace(pool: Pool, rows: int) -> _Workspace:
     if ws is not None and ws.rows >= rows and ws.raw_u8.data_ptr() == pool.raw.data_ptr():
         return ws
     if capturing(pool.device):
-        raise RuntimeError(f"leapquant triton flush: call leapquant.warmup(pool) (or flush once) with at least {rows} "
-                           f"rows outside CUDA graph capture first: the workspace and kernels are made there")
+        held = ws.rows if ws is not None else 0
+        raise RuntimeError(f"leapquant triton flush: {rows} rows, more than the pool's workspace holds ({held}): "
+                           f"outside CUDA graph capture, call leapquant.warmup(pool) (it makes room for "
+                           f"max(num_slots, {MIN_ROW_CAPACITY}) rows) or flush once with at least {rows} rows first")
     cap = max(rows, MIN_ROW_CAPACITY, ws.rows if ws is not None else 0)
     ws = _Workspace(rows=cap, due=torch.zeros(cap * pool.num_heads, dtype=torch.int32, device=pool.device),
                     raw_u8=pool.raw.view(torch.uint8), raw_f16=pool.raw.view(torch.float16))
@@ -267,9 +269,12 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
 
 
 def warmup(pool: Pool) -> None:
-    """Make the workspace, compile / load the kernel for ``pool`` and bind its launch (outside any graph capture) by
-    flushing an all-skip row: nothing in the pool changes."""
+    """Make the workspace (room for a call of ``max(num_slots, MIN_ROW_CAPACITY)`` rows: an engine's batch holds each
+    slot at most once, plus padding), compile / load the kernel for ``pool`` and bind its launch (outside any graph
+    capture) by flushing an all-skip row: nothing in the pool changes."""
     from ..reference import default_q0
+    with on_pool_device(pool), _LAUNCH_LOCK:
+        _workspace(pool, pool.num_slots)
     idx = torch.zeros(1, dtype=torch.int32, device=pool.device)
     flush(pool, idx, default_q0(pool.device))
 
