@@ -21,9 +21,20 @@ from .layout import (GATES, K, L, R, V, Pool, as_int, buffer_addresses, byte_spa
                      first_overlap, same_objects)
 from .reference import empty_window
 
-#: the environment switch of the idx value checks, read once at import ("1", "true", "yes", "on": checked)
+#: the environment switch of the idx value checks, read once at import: "1", "true", "yes", "on" (any case): checked;
+#: unset, "", "0", "false", "no", "off": not; any other value is kept as it is and named by the first call that reads
+#: the switch (a debugging switch that a typo turned off would leave the caller believing its calls checked)
 CHECK_IDX_ENV = "LEAPQUANT_CHECK_IDX"
-CHECK_IDX: bool = os.environ.get(CHECK_IDX_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+_SWITCH_ON, _SWITCH_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def switch_value(text: str) -> bool | str:
+    """An environment switch's text as True / False, or the text itself where it is neither."""
+    word = text.strip().lower()
+    return True if word in _SWITCH_ON else False if word in _SWITCH_OFF else text
+
+
+CHECK_IDX: bool | str = switch_value(os.environ.get(CHECK_IDX_ENV, ""))
 
 #: per pool, the buffer objects last found valid (held, so that no new tensor can take a checked one's identity),
 #: their byte spans by name, their data addresses and the pool's geometry: a pool is re-checked only when one of its
@@ -87,7 +98,12 @@ def _pool_spans(pool: Pool) -> dict[str, tuple[int, int]]:
 
 def _want_idx_values(check_idx: object) -> bool:
     """Whether to check idx's values: ``check_idx`` (a bool) where given, else the environment switch."""
-    return CHECK_IDX if check_idx is None else check_flag("check_idx", check_idx)
+    if check_idx is not None:
+        return check_flag("check_idx", check_idx)
+    if not isinstance(CHECK_IDX, bool):
+        raise ValueError(f"{CHECK_IDX_ENV}: expected one of {', '.join(_SWITCH_ON)} (check idx's values) or "
+                         f"{', '.join(repr(v) for v in _SWITCH_OFF)} (do not), got {CHECK_IDX!r}")
+    return CHECK_IDX
 
 
 def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:

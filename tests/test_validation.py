@@ -64,6 +64,24 @@ def test_fill_count_outside_the_window_when_checked(pool, count):
     lq.flush_inplace(pool, torch.tensor([1, -1, 3], dtype=torch.int32), lq.default_q0(), check_idx=True)
 
 
+@pytest.mark.parametrize("text, checked", [("1", True), (" On ", True), ("YES", True), ("", False), ("off", False),
+                                           ("0", False), ("2", None), ("enable", None)])
+def test_the_idx_switch_names_a_value_it_does_not_know(pool, monkeypatch, text, checked):
+    """LEAPQUANT_CHECK_IDX: a value that is neither on nor off makes the first call that reads the switch raise,
+    before any write (a typo would otherwise turn the debugging checks off without a word); check_idx given to the
+    call overrides the switch."""
+    from leapquant import validate
+    value = validate.switch_value(text)
+    assert value is checked if checked is not None else value == text
+    monkeypatch.setattr(validate, "CHECK_IDX", value)
+    twice = torch.tensor([2, 2], dtype=torch.int32)
+    if checked is None:
+        _expect_rejected(pool, twice, lq.default_q0(), f"LEAPQUANT_CHECK_IDX: expected one of .* got {text!r}")
+    elif checked:
+        _expect_rejected(pool, twice, lq.default_q0(), "idx: a slot appears more than once")
+    lq.flush_inplace(pool, IDX, lq.default_q0(), check_idx=False)
+
+
 def test_idx_values_unchecked_by_default(pool, monkeypatch):
     """Without the debug switch the call reads no idx value on the host: rows whose slot is <= 0 (vLLM pads with -1,
     SGLang with 0) or >= num_slots are skipped by the backend; only the valid rows' due programs change."""
