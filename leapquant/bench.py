@@ -44,7 +44,7 @@ from . import bench_step
 from .bench_common import (CSV_COLUMNS, DUE_FRACTIONS, Row, _fmt, _one_line, _percentile, copy_bandwidth,
                            slot_sets, time_calls, time_calls_kernel, time_calls_wall, timer_floor)
 from .numerics import DEFAULT_HEADS, GATES
-from .options import UsageError, parse_device
+from .options import UsageError, name_word as _word, parse_device
 
 DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
 DEFAULT_CPU_BATCHES = (1, 2)
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"sequences per call (x heads programs); default {' '.join(map(str, DEFAULT_GPU_BATCHES))}"
                              f" on a GPU, {' '.join(map(str, DEFAULT_CPU_BATCHES))} on a CPU")
     parser.add_argument("--heads", type=int, default=DEFAULT_HEADS, help=f"heads per sequence (default {DEFAULT_HEADS})")
-    parser.add_argument("--gate", nargs="+", default=["kda"], choices=GATES,
+    parser.add_argument("--gate", nargs="+", type=_word, default=["kda"], choices=GATES,
                         help="gate variant(s) (default kda)")
     parser.add_argument("--due", nargs="+", default=list(DUE_FRACTIONS), choices=tuple(DUE_FRACTIONS),
                         help="fraction of programs due: all, sixteenth (1/16, spread unevenly as at steady state), "

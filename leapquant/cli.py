@@ -14,8 +14,8 @@ import sys
 import time
 
 from . import dispatch
-from .numerics import DEFAULT_HEADS
-from .options import UsageError, parse_device
+from .numerics import DEFAULT_HEADS, GATES
+from .options import UsageError, name_word as _word, parse_device
 
 EXIT_USAGE = 2
 
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device to report on (default: cuda when available, else cpu)")
     p.add_argument("--heads", type=_count(1), default=DEFAULT_HEADS,
                    help=f"heads per sequence of the pool asked about (default {DEFAULT_HEADS})")
-    p.add_argument("--gate", choices=["kda", "gdn"], default="kda", help="gate variant (default kda)")
+    p.add_argument("--gate", type=_word, choices=GATES, default="kda", help="gate variant (default kda)")
     p.add_argument("--batch", type=_count(1), default=256,
                    help="rows per call; the auto choice may depend on it (default 256)")
     p.set_defaults(fn=_info)
@@ -272,12 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "against the exact fp64 state by the criterion, timing both. On a CPU the default "
                                    "backend is the fp32 reference, the criterion's own yardstick.")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--backend", default=None, choices=dispatch.CHOICES,
+    p.add_argument("--backend", type=_word, default=None, choices=dispatch.CHOICES,
                    help="backend to step and flush with (default: LEAPQUANT_BACKEND, else auto: each op its own); "
                         "'triton' on a CPU runs its interpreter (slow: use a small --batch and --heads)")
     p.add_argument("--batch", type=_count(1), default=None, help="sequences (default 8 on a CPU, 64 on a GPU)")
     p.add_argument("--heads", type=_count(1), default=DEFAULT_HEADS, help=f"heads per sequence (default {DEFAULT_HEADS})")
-    p.add_argument("--gate", choices=["kda", "gdn"], default="kda", help="gate variant (default kda)")
+    p.add_argument("--gate", type=_word, choices=GATES, default="kda", help="gate variant (default kda)")
     p.add_argument("--windows", type=_count(1), default=3,
                    help="windows of 16 tokens: decoded, and simulated windows flushed and judged (default 3)")
     p.add_argument("--seed", type=int, default=0,

@@ -55,6 +55,7 @@ import torch
 from . import bench, dispatch
 from . import reference as ref
 from .numerics import DEFAULT_HEADS, GATES, K, L, V
+from .options import name_word as _word
 
 METHODS = ("leapquant", "fp32 state", "bf16 state")   #: the methods judged against the fp64 state, in table order
 SUBSPACE = 16          #: dimension of each head's key / query / value subspace
@@ -341,10 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m leapquant.e2e``: run both gates (or those asked for), print the table, write it to ``--out``.
     Exit status 0 when every gate meets the requirement, 1 otherwise, 2 for options that cannot run."""
     parser = argparse.ArgumentParser(prog="python -m leapquant.e2e", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default=None, choices=dispatch.CHOICES,
+    parser.add_argument("--backend", type=_word, default=None, choices=dispatch.CHOICES,
                         help="leapquant backend (default: the dispatch's choice)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--gates", nargs="+", choices=GATES, default=list(GATES))
+    parser.add_argument("--gates", nargs="+", type=_word, choices=GATES, default=list(GATES))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--heads", type=int, default=DEFAULT_HEADS)
     parser.add_argument("--tokens", type=int, default=512)

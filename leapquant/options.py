@@ -1,10 +1,15 @@
-"""What the command-line tools share: the usage error and the ``--device`` option (``leapquant info | demo | bench``,
-``python -m leapquant.bench``). Imports nothing heavy until a device is parsed."""
+"""What the command-line tools share: the usage error, the ``--device`` option and how a name is read (``leapquant
+info | demo | bench``, ``python -m leapquant.bench``). Imports nothing heavy until a device is parsed."""
 from __future__ import annotations
 
 
 class UsageError(ValueError):
     """An option that cannot run here (the commands exit with status 2 and this one-line reason)."""
+
+
+def name_word(text: str) -> str:
+    """A backend's or a gate's name as the API reads it (any case, spaces around it ignored)."""
+    return text.strip().lower()
 
 
 def parse_device(text: str | None):

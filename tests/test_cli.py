@@ -215,6 +215,17 @@ def test_demo_rejects_a_non_integer_and_an_unknown_backend():
     _assert_usage_error(_run("info", "--heads", "0"), "argument --heads", ">= 1")
 
 
+def test_names_are_read_in_any_case():
+    """--backend and --gate take a name in any case, as the API's backend= and LEAPQUANT_BACKEND do (and Pool's
+    gate=)."""
+    res = _run("demo", "--backend", " Reference", "--gate", "GDN", "--batch", "1", "--heads", "2", "--windows", "1")
+    assert res.returncode == 0, res.stderr
+    assert "gdn" in res.stdout.lower()
+    import leapquant as lq
+    assert lq.Pool(2, 1, gate=" KDA ").gate == "kda"
+    _assert_usage_error(_run("info", "--gate", "mamba"), "argument --gate", "'mamba'")
+
+
 def test_demo_library_errors_are_one_line():
     """A ValueError from the library (here: a forced backend that cannot serve, whose message lists its reasons on
     several lines) is printed on one line, exit status 2."""
