@@ -258,7 +258,7 @@ def test_raw_carved_out_of_a_larger_buffer(gate, backend):
     words = lq.layout.raw_words(3, H)
     lead = 20                                            # words before the view: 80 bytes, 16-byte aligned
     arena = torch.full((lead + words + 12,), 7.0, device=DEVICE)
-    arena[lead:lead + words] = 0.0                       # as a fresh pool's raw
+    arena[lead:lead + words] = lq.Pool(3, H, gate=gate, device=DEVICE).raw       # as a new pool's raw
     results = []
     for raw in (None, arena[lead:lead + words]):
         pool = lq.Pool(3, H, gate=gate, device=DEVICE, **({} if raw is None else {"raw": raw}))
@@ -558,8 +558,9 @@ def test_engine_arenas(gate, num_slots, heads, gaps, shifted, seed):
     buf = torch.zeros(end + 16, dtype=torch.uint8)
     arena = buf[(-buf.data_ptr()) % 16:]                              # from the buffer's first 16-byte boundary
     views = {n: arena[starts[n]:starts[n] + nbytes[n]].view(shapes[n][1]).view(shapes[n][0]) for n in names}
-    for n in names[1:]:
-        views[n].fill_(lq.layout.FIELDS[n].empty)
+    fresh = lq.Pool(num_slots, heads, gate=gate)           # the arena's buffers start as a new pool's
+    for n in names:
+        views[n].copy_(getattr(fresh, n))
     off = [n for n in names if n not in loose and views[n].data_ptr() % lq.layout.ALIGN_BYTES]
     if off:
         with pytest.raises(ValueError, match=f"^{off[0]}: expected a start on a 16-byte boundary"):
