@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import dispatch
-from .layout import DEFAULT_HEADS, L, V, Field, Pool, check_and_convert, check_start_matrix
+from .layout import DEFAULT_HEADS, FIELDS, K, L, V, Field, Pool, check_and_convert, check_start_matrix
 from .reference import pool_writes
 from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_run_args, check_step_args,
                        check_step_run_args)
@@ -80,6 +80,9 @@ def _run(gate: str, args: dict[str, torch.Tensor], backend: str | None) -> tuple
     # q0's values too (the functional form reads values on the host anyway): a non-finite start matrix
     (q0,) = check_and_convert([("q0", args["q0"], Field(("V", "R"), torch.float32), ())], dev)
     check_start_matrix(q0)
+    if B == 0:                          # no program: empty outputs, as flush_inplace does nothing for no rows
+        return tuple(torch.empty((0, H) + FIELDS[n].shape, dtype=FIELDS[n].dtype, device=dev)
+                     for n in ("codes", "s_k", "s_v", "u", "q"))
     pool = _scratch_pool(B, H, dev, gate)
     rows = torch.arange(1, B + 1, device=dev)
     pool.write_checkpoint(rows, args["codes"], args["s_k"], args["s_v"], args["u"], args["q"])
@@ -98,7 +101,7 @@ def run(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Tens
     q0 fp32 [V, R] (finite; the start matrix: independent columns of norm in ``numerics.Q0_NORM_RANGE``, near 1 as
     :func:`leapquant.default_q0`'s, else a ``ValueError``: the kernels form S^T q0's Gram matrix in fp32). Returns
     fresh ``(codes, s_k, s_v, u, q)`` of the same shapes and dtypes (a program whose window is empty,
-    ``reference.empty_window``, gets its own checkpoint back unchanged).
+    ``reference.empty_window``, gets its own checkpoint back unchanged; B = 0: empty outputs).
 
     The functional forms (:func:`run`, :func:`run_gdn`, :func:`step`, :func:`step_gdn`) go through a scratch pool of
     ``B + 1`` slots that each thread keeps for its last :data:`SCRATCH_POOLS` shapes: threads may call them at once;
@@ -190,6 +193,13 @@ def _step_run(gate: str, args: dict[str, torch.Tensor], num_k_heads: int | None,
     the appended entries and the gate state read back."""
     B, H, hk, dev = check_step_run_args(gate, args, num_k_heads)
     check_flag("beta_bf16", beta_bf16)
+    if B == 0:                          # no program: empty outputs (o, k_row, u_row, then the gate's)
+        def empty(*dims: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty((0, H, *dims), dtype=dtype, device=dev)
+        head = (empty(V, dtype=torch.bfloat16), empty(K, dtype=torch.bfloat16), empty(V, dtype=torch.bfloat16))
+        if gate == "kda":
+            return head + (empty(K, dtype=torch.float16), empty(L, dtype=torch.float32), empty(K, dtype=torch.float32))
+        return head + (empty(L, dtype=torch.float32), empty(dtype=torch.float32))
     pool = _scratch_pool(B, H, dev, gate)
     rows = torch.arange(1, B + 1, device=dev)
     pool.write_checkpoint(rows, args["codes"], args["s_k"], args["s_v"], args["u"], args["q"])
@@ -226,8 +236,9 @@ def step(codes: torch.Tensor, s_k: torch.Tensor, s_v: torch.Tensor, u: torch.Ten
     [B, H, R, V]. The window: kbuf bf16 [B, H, L, K], ubuf bf16 [B, H, L, V], gbuf fp16 [B, H, L, K], w fp32
     [B, H, L], pcum fp32 [B, H, K], the fill count h int32 [B, H] in [0, L] (L: just flushed, read as 0; entries at
     and past h do not enter the result, but every value must lie in the window's domain: the form stores them
-    through :meth:`Pool.write_window`, which checks them). The token: qx, kx bf16 [B, H, K], vx bf16 [B, H, V], a bf16 [B, H, K], b bf16 [B, H];
-    A_log fp32 [H], dt_bias fp32 [H, K]. beta_bf16: as :func:`step_inplace`.
+    through :meth:`Pool.write_window`, which checks them). The token: qx, kx bf16 [B, H, K], vx bf16 [B, H, V],
+    a bf16 [B, H, K], b bf16 [B, H]; A_log fp32 [H], dt_bias fp32 [H, K]. beta_bf16: as :func:`step_inplace`.
+    B = 0 gives empty outputs.
 
     Returns fresh ``(o bf16 [B, H, V], k_row bf16 [B, H, K], u_row bf16 [B, H, V], g_row fp16 [B, H, K], w_new fp32
     [B, H, L], pcum_new fp32 [B, H, K])``: the output, the window entry the step appends (kn, u_new, exp(g)), the

@@ -203,8 +203,8 @@ def _leading_dims(codes: object) -> tuple[int, int, torch.device]:
     if codes.is_meta:
         raise ValueError("codes: expected a tensor with data, got one on the meta device")
     B, H = codes.shape[:2]
-    if B < 1 or H < 1:
-        raise ValueError(f"codes: expected B >= 1 and H >= 1, got shape {tuple(codes.shape)}")
+    if H < 1:
+        raise ValueError(f"codes: expected H >= 1, got shape {tuple(codes.shape)}")
     return B, H, codes.device
 
 

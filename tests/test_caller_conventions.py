@@ -121,6 +121,22 @@ def test_pools_that_cannot_exist_are_refused(kwargs, match):
         lq.Pool(2, 1, **kwargs)
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_functional_forms_take_an_empty_batch(gate):
+    """B = 0 (an engine's batch split that left nothing) gives empty outputs of the shapes and dtypes a batch would
+    have, as flush_inplace and step_inplace do nothing for no rows."""
+    flush = lq.run if gate == "kda" else lq.run_gdn
+    *batched, q0 = families.make_case(1, 2, gate, seed=0).args()
+    full, empty = flush(*batched, q0), flush(*(t[:0] for t in batched), q0)
+    assert [(t.shape[1:], t.dtype) for t in empty] == [(t.shape[1:], t.dtype) for t in full]
+    assert all(t.shape[0] == 0 for t in empty)
+    step = lq.step if gate == "kda" else lq.step_gdn
+    *batched, A_log, dt_bias = sf.make_step_case(1, 2, gate, seed=0, num_k_heads=2 if gate == "kda" else 1).args()
+    full, empty = step(*batched, A_log, dt_bias), step(*(t[:0] for t in batched), A_log, dt_bias)
+    assert [(t.shape[1:], t.dtype) for t in empty] == [(t.shape[1:], t.dtype) for t in full]
+    assert all(t.shape[0] == 0 for t in empty)
+
+
 def test_a_pool_takes_its_device_from_any_buffer_given():
     """device=None: the device of the first buffer given (raw's where given), a window buffer's where only those are
     given: one on the meta device is named as such, not as a mismatch with the CPU."""
