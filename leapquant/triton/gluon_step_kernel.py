@@ -48,10 +48,11 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 #: warps: KDA batch 64 / 256 / 512 26.9 / 26.1 / 26.9, 87.0 / 82.3 / 95.0, 166.9 / 156.1 / 184.4 us; GDN 22.5 / 21.0 /
 #: 22.0, 67.7 / 65.2 / 66.8, 127.6 / 120.8 / 122.3 us
 WARPS = 2
-#: the launch's register cap per gate (ptxas maxnreg; None: none). At 2 warps neither gate is capped: KDA takes 128
-#: registers (8 programs per SM), GDN 124. At 4 warps KDA ran under a cap of 96 (111 registers uncapped; 96 / 80 / 72:
-#: 87.3 / 91.5 / 93.6 us at batch 256) and GDN uncapped (80 registers; uncapped / 80 / 72: 68.1 / 69.5 / 67.1 us)
-MAX_REGISTERS = {"kda": None, "gdn": None}
+#: the launch's register cap per gate (ptxas maxnreg; None: none). KDA runs uncapped (128 registers, 8 programs per
+#: SM); every cap measured slower, its spills costing more than a ninth program gives (H100, fill 15, batch 64 / 256:
+#: uncapped 31.6 / 102.9 us, 112: 33.6 / 110.3, 96: 38.1 / 124.7). GDN runs under 112 (124 registers uncapped, 8
+#: programs; 9 under the cap, no spills): batch 64 27.5 -> 25.7 us, batch 256 / 512 within 0.5 % (H100, same run)
+MAX_REGISTERS = {"kda": None, "gdn": 112}
 
 _V = gl.constexpr(V)
 _K = gl.constexpr(K)
