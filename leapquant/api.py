@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import dispatch
-from .layout import DEFAULT_HEADS, FIELDS, K, L, V, Field, Pool, check_and_convert, check_start_matrix
+from .layout import DEFAULT_HEADS, FIELDS, L, V, Field, Pool, check_and_convert, check_start_matrix
 from .reference import pool_writes
 from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_run_args, check_step_args,
                        check_step_run_args)
@@ -193,13 +193,13 @@ def _step_run(gate: str, args: dict[str, torch.Tensor], num_k_heads: int | None,
     the appended entries and the gate state read back."""
     B, H, hk, dev = check_step_run_args(gate, args, num_k_heads)
     check_flag("beta_bf16", beta_bf16)
-    if B == 0:                          # no program: empty outputs (o, k_row, u_row, then the gate's)
-        def empty(*dims: int, dtype: torch.dtype) -> torch.Tensor:
+    if B == 0:                          # no program: empty outputs (o, an entry of kbuf, ubuf (gbuf), then w, pcum / p)
+        def empty(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.empty((0, H, *dims), dtype=dtype, device=dev)
-        head = (empty(V, dtype=torch.bfloat16), empty(K, dtype=torch.bfloat16), empty(V, dtype=torch.bfloat16))
-        if gate == "kda":
-            return head + (empty(K, dtype=torch.float16), empty(L, dtype=torch.float32), empty(K, dtype=torch.float32))
-        return head + (empty(L, dtype=torch.float32), empty(dtype=torch.float32))
+        rows = ("kbuf", "ubuf", "gbuf") if gate == "kda" else ("kbuf", "ubuf")
+        entries = [empty(FIELDS[n].shape[1:], FIELDS[n].dtype) for n in rows]
+        return (empty((V,), torch.bfloat16), *entries,
+                *(empty(FIELDS[n].shape, FIELDS[n].dtype) for n in ("w", "pcum" if gate == "kda" else "p")))
     pool = _scratch_pool(B, H, dev, gate)
     rows = torch.arange(1, B + 1, device=dev)
     pool.write_checkpoint(rows, args["codes"], args["s_k"], args["s_v"], args["u"], args["q"])

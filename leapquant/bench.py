@@ -616,7 +616,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
         raise UsageError(problem)
     known = (*dispatch.CHOICES, "none")
     if args.backends is not None:
-        args.backends = [name.strip().lower() for name in args.backends]
+        args.backends = [_word(name) for name in args.backends]
     for name in args.backends or ():
         if name not in known:
             raise UsageError(f"--backends: unknown backend {name!r} (choose from {', '.join(known)})")

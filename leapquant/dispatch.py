@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from .numerics import DEFAULT_HEADS
+from .options import name_word
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ STEP_AUTO_ORDER: tuple[str, ...] = ("triton",)
 ENV_VAR = "LEAPQUANT_BACKEND"
 
 #: read once at import: later changes of the environment do not move the choice (use ``backend=`` or use_backend)
-ENV_BACKEND: str = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+ENV_BACKEND: str = name_word(os.environ.get(ENV_VAR, "auto")) or "auto"
 
 #: modules that register the optional backends when imported (the reference is registered by this module)
 _MODULES = {"triton": "leapquant.triton", "tilelang": "leapquant.tilelang"}
@@ -156,9 +157,9 @@ def reasons(name: str, pool: Pool, op: str = "flush") -> list[str]:
 
 def _check_name(name: object, allow_auto: bool = True) -> str:
     valid = CHOICES if allow_auto else BACKENDS
-    if not isinstance(name, str) or name.strip().lower() not in valid:
+    if not isinstance(name, str) or name_word(name) not in valid:
         raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(valid)}")
-    return name.strip().lower()
+    return name_word(name)
 
 
 @contextlib.contextmanager

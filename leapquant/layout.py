@@ -27,6 +27,7 @@ import torch
 from .numerics import DEFAULT_HEADS, EPS, FP16_MAX, GATES, K, L, QMAX, R, V  # noqa: F401  (re-exported)
 from .numerics import Q0_MIN_EIGEN_RATIO, Q0_NORM_RANGE
 from .devices import device_here
+from .options import name_word
 from .reference import compress, decode_checkpoint, default_q0, pool_writes, rebuild
 
 
@@ -121,8 +122,9 @@ class Field:
 
     def bad_mask(self, t: torch.Tensor) -> torch.Tensor:
         """Element-wise: this value of ``t`` (already in ``dtype``) is not admitted."""
-        parts = [~torch.isfinite(t) & ~((t == float("-inf")) if self.neg_inf else False)] if t.is_floating_point() \
-            else []
+        parts = []
+        if t.is_floating_point():
+            parts.append(~torch.isfinite(t) & (t != float("-inf")) if self.neg_inf else ~torch.isfinite(t))
         if self.lo is not None:
             parts.append((t <= self.lo) if self.lo_open else (t < self.lo))
         if self.hi is not None:
@@ -338,9 +340,9 @@ class Pool:
 
     def __init__(self, num_slots: int, num_heads: int = DEFAULT_HEADS, device: torch.device | str | None = None,
                  gate: str = "kda", **buffers: torch.Tensor) -> None:
-        if not isinstance(gate, str) or gate.strip().lower() not in GATES:    # any case, as backend names
+        if not isinstance(gate, str) or name_word(gate) not in GATES:    # any case, as backend names
             raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
-        gate = gate.strip().lower()
+        gate = name_word(gate)
         ns, nh = as_int(num_slots), as_int(num_heads)
         if ns is None or ns < 2:
             raise ValueError(f"num_slots: expected an int >= 2 (slot 0 is reserved), got {num_slots!r}")
@@ -355,8 +357,8 @@ class Pool:
         if unknown:
             raise ValueError(f"unknown buffers for gate {gate!r}: {sorted(unknown)}")
         if device is None:                      # the first given buffer's (raw's where given), else the CPU
-            first = [t for n in ("raw", *self.WINDOW_FIELDS[gate]) if isinstance(t := buffers.get(n), torch.Tensor)]
-            device = first[0].device if first else "cpu"
+            device = next((t.device for n in ("raw", *self.WINDOW_FIELDS[gate])
+                           if isinstance(t := buffers.get(n), torch.Tensor)), "cpu")
         self.device = device_here(device, "the pool's tensors")
         self.num_slots, self.num_heads, self.gate = num_slots, num_heads, gate
         NS, H = num_slots, num_heads

@@ -8,7 +8,8 @@ class UsageError(ValueError):
 
 
 def name_word(text: str) -> str:
-    """A backend's or a gate's name as the API reads it (any case, spaces around it ignored)."""
+    """A backend's or a gate's name as the API, the environment and the commands read it (any case, spaces around
+    it ignored)."""
     return text.strip().lower()
 
 

@@ -17,8 +17,9 @@ import weakref
 
 import torch
 
-from .layout import (GATES, K, L, R, V, Pool, as_int, buffer_addresses, byte_span, capturing, check_dense, check_tensor,
-                     first_overlap, same_objects)
+from .layout import (FIELDS, GATES, K, L, R, V, Pool, as_int, buffer_addresses, byte_span, capturing, check_dense,
+                     check_tensor, first_overlap, same_objects)
+from .options import name_word
 from .reference import empty_window
 
 #: the environment switch of the idx value checks, read once at import: "1", "true", "yes", "on" (any case): checked;
@@ -30,7 +31,7 @@ _SWITCH_ON, _SWITCH_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "
 
 def switch_value(text: str) -> bool | str:
     """An environment switch's text as True / False, or the text itself where it is neither."""
-    word = text.strip().lower()
+    word = name_word(text)
     return True if word in _SWITCH_ON else False if word in _SWITCH_OFF else text
 
 
@@ -122,7 +123,7 @@ def check_idx_values(pool: Pool, idx: torch.Tensor) -> None:
     if torch.unique(live).numel() != live.numel():
         raise ValueError("idx: a slot appears more than once (each sequence owns one slot)")
     hc = pool.hcnt[live.long()]
-    bad = (hc < 0) | (hc > L)
+    bad = FIELDS["hcnt"].bad_mask(hc)
     if bool(bad.any()):
         row, head = bad.nonzero()[0].tolist()
         raise ValueError(f"hcnt: slot {int(live[row])}, head {head} has fill count {int(hc[row, head])}, outside "
@@ -372,7 +373,7 @@ def check_step_run_args(gate: str, args: dict[str, object], num_k_heads: object)
     for name, (shape, dtype, dims) in spec.items():
         _meta(name, args[name], dtype, shape, dims, dev, "that of codes")
     h = args["h"]
-    bad = (h < 0) | (h > L)
+    bad = FIELDS["hcnt"].bad_mask(h)
     if bool(bad.any()):
         raise ValueError(f"h: expected fill counts in [0, {L}] ({L}: just flushed, read as 0), got "
                          f"{int(h[bad][0])} at {tuple(bad.nonzero()[0].tolist())}")
