@@ -100,7 +100,9 @@ class Field:
     lo: float | None = None      #: smallest admitted value
     hi: float | None = None      #: largest admitted value
     lo_open: bool = False        #: ``lo`` itself is excluded
-    empty: float = 0.0           #: the value of a new pool and of an empty window (a flush's window reset)
+    #: the value of a new pool: an empty window's (a flush's window reset), a new sequence's checkpoint's
+    #: (reset_slots: what a flush writes for a zero state)
+    empty: float = 0.0
     neg_inf: bool = False        #: -inf is admitted as well (a log-decay that saturated)
 
     @property
@@ -143,8 +145,8 @@ class Field:
 #: stores pcum + g), so that what :meth:`Pool.read_window` returns can always be written back.
 FIELDS: dict[str, Field] = {
     "codes": Field(("V", "K"), torch.int8, -QMAX, QMAX),
-    "s_k": Field(("K",), torch.float32, 0.0, lo_open=True),
-    "s_v": Field(("V",), torch.float32, 0.0, lo_open=True),
+    "s_k": Field(("K",), torch.float32, 0.0, lo_open=True, empty=EPS),
+    "s_v": Field(("V",), torch.float32, 0.0, lo_open=True, empty=EPS),
     "u": Field(("R", "K"), torch.float16),
     "q": Field(("R", "V"), torch.float16),
     "kbuf": Field(("L", "K"), torch.bfloat16),
@@ -376,9 +378,11 @@ class Pool:
             setattr(self, name, given[name] if name in given else torch.full(shape, fill, dtype=dtype,
                                                                                device=self.device))
         self._make_views()
-        if "raw" not in given:      # every checkpoint as reset_slots leaves it (zero scales are outside the format)
-            self.s_k.fill_(EPS)
-            self.s_v.fill_(EPS)
+        if "raw" not in given:
+            # every checkpoint as reset_slots leaves it: raw's zeros are the codes' and tokens' empty value, the
+            # scales' is EPS (a zero scale is outside the format)
+            self.s_k.fill_(FIELDS["s_k"].empty)
+            self.s_v.fill_(FIELDS["s_v"].empty)
 
     # ---- views of raw ----------------------------------------------------------------------------------------------
     def _make_views(self) -> None:
@@ -609,10 +613,9 @@ class Pool:
         ``gbuf = 1``, GDN ``p = 1``, ``hcnt = 0``. The bytes of the region past the checkpoint are not touched.
         Checks the slots before writing anything; synchronises with the host (a set-up tool, as the bulk helpers)."""
         s = self._slots(slots)
-        self.codes[s] = 0
-        self.s_k[s] = EPS
-        self.s_v[s] = EPS
-        self.tokens[s] = 0.0
+        for name in ("codes", "s_k", "s_v"):
+            getattr(self, name)[s] = FIELDS[name].empty
+        self.tokens[s] = FIELDS["u"].empty                   # u | q
         for name in self.WINDOW_FIELDS[self.gate]:
             getattr(self, name)[s] = FIELDS[name].empty
 
