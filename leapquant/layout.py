@@ -379,10 +379,11 @@ class Pool:
                                                                                device=self.device))
         self._make_views()
         if "raw" not in given:
-            # every checkpoint as reset_slots leaves it: raw's zeros are the codes' and tokens' empty value, the
-            # scales' is EPS (a zero scale is outside the format)
-            self.s_k.fill_(FIELDS["s_k"].empty)
-            self.s_v.fill_(FIELDS["s_v"].empty)
+            # every checkpoint as reset_slots leaves it: raw's zeros already are each field's empty value but the
+            # scales' (EPS: a zero scale is outside the format)
+            for name in CHECKPOINT_FIELDS:
+                if FIELDS[name].empty != 0.0:
+                    getattr(self, name).fill_(FIELDS[name].empty)
 
     # ---- views of raw ----------------------------------------------------------------------------------------------
     def _make_views(self) -> None:
@@ -613,10 +614,7 @@ class Pool:
         ``gbuf = 1``, GDN ``p = 1``, ``hcnt = 0``. The bytes of the region past the checkpoint are not touched.
         Checks the slots before writing anything; synchronises with the host (a set-up tool, as the bulk helpers)."""
         s = self._slots(slots)
-        for name in ("codes", "s_k", "s_v"):
-            getattr(self, name)[s] = FIELDS[name].empty
-        self.tokens[s] = FIELDS["u"].empty                   # u | q
-        for name in self.WINDOW_FIELDS[self.gate]:
+        for name in CHECKPOINT_FIELDS + self.WINDOW_FIELDS[self.gate]:
             getattr(self, name)[s] = FIELDS[name].empty
 
     @pool_writes()
