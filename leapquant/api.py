@@ -11,8 +11,8 @@ import torch
 from . import dispatch
 from .layout import DEFAULT_HEADS, FIELDS, L, V, Field, Pool, check_and_convert, check_start_matrix
 from .reference import pool_writes
-from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_run_args, check_step_args,
-                       check_step_run_args)
+from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_q0_values, check_run_args,
+                       check_step_args, check_step_run_args, want_values)
 
 
 @torch.compiler.disable
@@ -23,7 +23,7 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
     pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (``<= 0``: no sequence, the row is
     skipped, as engines pad with -1 or 0). q0: fp32 [V, R], the start of the subspace iteration, shared by all
     programs: finite, independent columns near unit norm as :func:`leapquant.default_q0`'s (the kernels form S^T q0's
-    Gram matrix in fp32; its values are not read on the host). A program (slot, head) is due when ``hcnt == L``; its
+    Gram matrix in fp32; its values are read on the host only with ``check_idx``). A program (slot, head) is due when ``hcnt == L``; its
     checkpoint is rewritten and its window reset (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt``
     stays ``L``. A due program whose window is
     already empty (every ``w`` 0 and no decay: KDA every ``pcum`` 0, GDN ``p`` 1; ``reference.empty_window``) is left
@@ -31,9 +31,10 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
     bitwise untouched.
 
     backend: ``None`` (LEAPQUANT_BACKEND / use_backend / auto), or one of ``auto, reference, triton, tilelang``.
-    check_idx: also check idx's values (every slot < num_slots, no slot twice) and the fill counts of their programs
-    (in [0, L]): a host synchronisation, so off by default (``None``: the ``LEAPQUANT_CHECK_IDX`` environment switch);
-    unchecked, slots >= num_slots are skipped.
+    check_idx: also check idx's values (every slot < num_slots, no slot twice), the fill counts of their programs
+    (in [0, L]) and q0's values (finite, independent columns near unit norm): a host synchronisation, so off by
+    default (``None``: the ``LEAPQUANT_CHECK_IDX`` environment switch); unchecked, slots >= num_slots are skipped, and
+    a slot given twice is the caller's error (its programs' flushes would race).
     The call never synchronises with the host otherwise (the reference backend does: it is the slow fallback).
     Raises ValueError on bad arguments (before any launch) and BackendUnavailable (a ValueError) when a forced
     backend cannot serve."""
@@ -177,9 +178,13 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
 
     Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per
     layer per token for an engine; on the GPU backends both are graph-capturable launches (a separate step kernel and
-    flush kernel: not fused)."""
+    flush kernel: not fused). ``backend`` forces both ops' backend, so a backend without a step kernel (TileLang)
+    cannot be forced here; auto pairs the Triton step with TileLang's flush where that serves (``leapquant info``
+    lists each op's choice)."""
     hk = check_step_args(pool, idx, qkv, a, b, A_log, dt_bias, out, num_k_heads, beta_bf16, check_idx)
     check_q0(pool, q0, out)                   # (the pool and idx, and idx's values if asked for: checked just above)
+    if want_values(check_idx):
+        check_q0_values(q0)
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
     flush_backend = dispatch.select(pool, idx.numel(), backend)
     out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)

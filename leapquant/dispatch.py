@@ -315,7 +315,8 @@ def backend_info(device: torch.device | str | None = None, num_heads: int = DEFA
     rows_n = as_int(num_rows)
     if rows_n is None or rows_n < 0:
         raise ValueError(f"num_rows: expected an int >= 0 (the rows of the call asked about), got {num_rows!r}")
-    device = torch.device(device) if device is not None else default_device()
+    from .devices import device_here
+    device = device_here(device, "a pool") if device is not None else default_device()
     probe = Pool(2, num_heads, device=device, gate=gate)
     order = auto_order(probe, rows_n, op)
     rows = []

@@ -2,8 +2,8 @@
 left untouched.
 
 The deployment call's checks read only tensor metadata (no host synchronisation): the pool's buffers once per pool
-until one of them is replaced, idx and q0 on every call. The *values* of idx (range, repeats) need a device-to-host
-copy, so they are checked only when asked: ``flush_inplace(..., check_idx=True)`` or ``LEAPQUANT_CHECK_IDX=1``
+until one of them is replaced, idx and q0 on every call. The *values* of idx (range, repeats) and of q0 need a
+device-to-host copy, so they are checked only when asked: ``flush_inplace(..., check_idx=True)`` or ``LEAPQUANT_CHECK_IDX=1``
 (a debugging switch; it cannot be used while a CUDA graph is being captured). Without it the kernels skip every row
 whose slot is outside ``[1, num_slots)`` (``idx <= 0`` is how engines pad: vLLM with -1, SGLang with 0); a slot that
 appears twice in one call is a caller error the unchecked path does not detect, and so are a fill count outside
@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from .layout import (FIELDS, GATES, K, L, R, V, Pool, as_int, buffer_addresses, byte_span, capturing, check_dense,
-                     check_tensor, first_overlap, same_objects)
+                     check_start_matrix, check_tensor, first_overlap, same_objects)
 from .options import name_word
 from .reference import empty_window
 
@@ -97,8 +97,9 @@ def _pool_spans(pool: Pool) -> dict[str, tuple[int, int]]:
     return _CHECKED[pool][1]
 
 
-def _want_idx_values(check_idx: object) -> bool:
-    """Whether to check idx's values: ``check_idx`` (a bool) where given, else the environment switch."""
+def want_values(check_idx: object) -> bool:
+    """Whether to run the host-synchronising value checks (idx's values, the fill counts of its programs, q0's
+    values): ``check_idx`` (a bool) where given, else the environment switch."""
     if check_idx is not None:
         return check_flag("check_idx", check_idx)
     if not isinstance(CHECK_IDX, bool):
@@ -175,8 +176,9 @@ def check_flush_args(pool: object, idx: object, q0: object, check_idx: bool | No
     pool = check_pool(pool)
     idx = _check_idx(pool, idx)
     check_q0(pool, q0)
-    if _want_idx_values(check_idx):
+    if want_values(check_idx):
         check_idx_values(pool, idx)
+        check_q0_values(q0)
     return pool
 
 
@@ -190,6 +192,15 @@ def check_q0(pool: Pool, q0: object, out: torch.Tensor | None = None) -> None:
         raise ValueError(f"q0: shares memory with {shared} (the flush reads q0 while it writes the pool)")
     if out is not None and first_overlap(out, {"q0": byte_span(q0)}) is not None:
         raise ValueError("out: shares memory with q0 (the step writes out before the flush reads q0)")
+
+
+def check_q0_values(q0: torch.Tensor) -> None:
+    """q0's values (host-synchronising: with idx's, when the value checks are asked for), as the functional form and
+    ``encode`` check them: finite, independent columns near unit norm (``layout.check_start_matrix``). A start matrix
+    without R independent directions leaves the rank part to rounding noise, on which no two backends agree."""
+    if not bool(torch.isfinite(q0).all()):
+        raise ValueError("q0: expected finite values (the subspace iteration's start, as leapquant.default_q0)")
+    check_start_matrix(q0)
 
 
 def _expect(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> None:
@@ -340,7 +351,7 @@ def check_step_args(pool: object, idx: object, qkv: object, a: object, b: object
         if shared is not None:
             raise ValueError(f"out: shares memory with {shared} (the step reads it while it writes out)")
     check_flag("beta_bf16", beta_bf16)
-    if _want_idx_values(check_idx):
+    if want_values(check_idx):
         check_idx_values(pool, idx)
         check_windows_folded(pool, idx)
     return hk

@@ -512,6 +512,27 @@ def test_q0_sharing_memory_with_the_pool_or_out_is_refused(gate):
     assert all(torch.equal(before[n], x) for n, x in snapshot(pool).items())
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("bad, match", [
+    (lambda q: torch.ones_like(q), "q0: its columns must be independent"),
+    (lambda q: q.clone().index_fill_(1, torch.tensor([2], device=q.device), 0.0), "q0: its columns' norms"),
+    (lambda q: q.clone().fill_(float("nan")), "q0: expected finite values"),
+])
+def test_q0_values_are_checked_with_the_value_checks(gate, bad, match):
+    """With check_idx (the host-synchronising checks) flush_inplace and decode_inplace check q0's values as run()
+    and encode() do: a start matrix without R independent unit directions leaves the rank part to rounding noise,
+    on which no two backends agree. Unchecked, the call reads no value of q0 on the host (the default path)."""
+    pool, t = _pool(gate), _token(gate)
+    pool.hcnt.fill_(lq.L)
+    before = snapshot(pool)
+    q0 = bad(lq.default_q0(DEVICE))
+    with pytest.raises(ValueError, match=match):
+        lq.flush_inplace(pool, t["idx"], q0, check_idx=True)
+    with pytest.raises(ValueError, match=match):
+        lq.decode_inplace(pool, t["idx"], t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], q0, check_idx=True)
+    assert all(torch.equal(before[n], x) for n, x in snapshot(pool).items())
+
+
 def test_pool_attributes_changed_after_a_call_are_checked_again():
     """A pool's geometry attributes are part of what a call checks: changed after a checked call (num_slots grown,
     an unknown gate), the next call is a ValueError, not an index error in a backend."""

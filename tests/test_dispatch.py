@@ -132,6 +132,14 @@ def test_backend_info_names_a_bad_argument(kwargs, match):
         lq.backend_info("cpu", **kwargs)
 
 
+@pytest.mark.parametrize("device", ["gpu", "nope", "meta"])
+def test_backend_info_names_a_device_it_cannot_probe(device):
+    """A device torch cannot name, or one that holds no data, is a ValueError naming the device (as for
+    device_description), not torch's own error."""
+    with pytest.raises(ValueError, match=f"device: '{device}'"):
+        lq.backend_info(device)
+
+
 def test_choice_is_cached_per_geometry(monkeypatch):
     pool, _, _ = _pool()
     calls = []
