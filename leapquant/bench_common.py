@@ -203,7 +203,8 @@ def time_calls_wall(call: Callable[[int], None], nsets: int, repeats: int, devic
 
 
 def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, device,
-                      prepare: Callable[[int], None] | None = None) -> tuple[list[float], str]:
+                      prepare: Callable[[int], None] | None = None,
+                      kernels: list[list[str]] | None = None) -> tuple[list[float], str]:
     """Per-call CUDA kernel time in microseconds from torch.profiler: the call is captured once per slot set in a
     CUDA graph (eager when capture fails) and replayed ``repeats`` times in rotation, each replay preceded by a marker
     kernel; a call's time is the span from its first kernel's start to its last kernel's end (gaps between its own
@@ -211,7 +212,9 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
     consumes (a flush's windows, a step's fill counts): it runs eagerly for every set before the first call and after
     each round of ``nsets`` calls (each set called once a round), behind a marker of its own, outside every call's
     time; within a round the calls follow each other as without it. The markers are float64 fills: neither ``call``
-    nor ``prepare`` may launch a float64 fill of its own."""
+    nor ``prepare`` may launch a float64 fill of its own: a marker is told by its kernel's name alone, never by its
+    duration, so that a GPU shared with other processes (whose time slices can stretch any kernel) cannot shift the
+    calls' boundaries. ``kernels``, when given, receives each timed call's kernel names (a list per call, in order)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -274,16 +277,18 @@ def time_calls_kernel(call: Callable[[int], None], nsets: int, repeats: int, dev
         if "spin" in name.lower() or "sleep" in name.lower():
             continue
         if fill_name is None and "fill" in name.lower():
-            fill_name = name
-        if name == fill_name and e.time_range.end - e.time_range.start < 20:
+            fill_name = name                      # the first round's preparation ran before the trace: a marker
+        if name == fill_name:
             spans.append([])
             continue
         if spans:
-            spans[-1].append((e.time_range.start, e.time_range.end))
+            spans[-1].append((e.time_range.start, e.time_range.end, name))
     if prepare is not None:                       # the span after every nsets calls holds a preparation
         spans = [sp for i, sp in enumerate(spans) if (i + 1) % (nsets + 1)]
     for sp in spans[:repeats]:
-        out.append(max(b for _, b in sp) - min(a for a, _ in sp) if sp else 0.0)
+        out.append(max(b for _, b, _ in sp) - min(a for a, _, _ in sp) if sp else 0.0)
+        if kernels is not None:
+            kernels.append([n for _, _, n in sp])
     if len(out) < min(3, repeats):
         raise RuntimeError(f"profiler trace held {len(out)} calls of {repeats}")
     return out, "CUDA kernel time (torch.profiler, first kernel start to last kernel end per call, " + \

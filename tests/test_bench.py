@@ -313,28 +313,38 @@ def test_preparation_runs_before_each_call_and_outside_its_time(timer, device):
 def test_kernel_timer_prepares_every_round_outside_the_calls(cuda_device):
     """time_calls_kernel with a preparation: every replayed call finds its set restored (the call records what it found
     and consumes it), and no call's span holds the preparation's kernels. One slot set, so a preparation follows every
-    call: were it inside the spans, every sample would hold its 256 MiB fill (the medians are compared, so a GPU shared
-    with other processes does not decide the test)."""
+    call: were it inside the spans, every call would list the preparation's kernels beside its own, and every sample
+    would hold its 256 MiB fill (the medians are compared, so a GPU shared with other processes does not decide it).
+    The call is captured in a CUDA graph, as the benchmark's calls are: ``ready`` is written by ``fill_``, where a
+    Python float assigned by index is a pageable host-to-device copy that no graph captures; the timer then times
+    eager calls, whose spans hold the host's launch gaps (22 us on one H100, 39-89 us on a slower host, against a
+    fill of 82 us)."""
     nsets, repeats = 1, 9
     ready = torch.zeros(nsets, device=cuda_device)
-    seen = torch.zeros(repeats + 4 * nsets, device=cuda_device)
+    seen = torch.zeros(2 * (repeats + 4 * nsets), device=cuda_device)
     count = torch.zeros((), dtype=torch.long, device=cuda_device)
     big = torch.empty(64 << 20, device=cuda_device)
 
     def prepare(s):
         big.fill_(float(s))
-        ready[s] = 1.0
+        ready[s].fill_(1.0)
 
     def call(s):
         seen.index_copy_(0, count.view(1), ready[s].view(1))
         count.add_(1)
-        ready[s] = 0.0
+        ready[s].fill_(0.0)
 
-    samples, _ = bench_common.time_calls_kernel(call, nsets, repeats, cuda_device, prepare=prepare)
+    kernels: list[list[str]] = []
+    samples, how = bench_common.time_calls_kernel(call, nsets, repeats, cuda_device, prepare=prepare, kernels=kernels)
     torch.cuda.synchronize(cuda_device)
+    assert "graph capture failed" not in how, how
     n = int(count)
-    assert len(samples) == repeats and n >= repeats
+    assert len(samples) == repeats and n >= repeats and len(kernels) == repeats
     assert bool((seen[:n] == 1.0).all()), f"a call found its set not restored: {seen[:n].tolist()}"
+    alone: list[list[str]] = []
+    bench_common.time_calls_kernel(call, nsets, 3, cuda_device, kernels=alone)     # the call's own kernels
+    assert alone[0] and all(k == alone[0] for k in kernels), \
+        f"the calls' spans hold other kernels: {kernels} against the call's own {alone[0]}"
     fill_us = bench_common.time_calls_kernel(lambda s: big.fill_(1.0), 1, 5, cuda_device)[0]
     assert bench_common._percentile(samples, 50) < bench_common._percentile(fill_us, 50) / 2, \
         f"the calls' spans hold the preparation: {samples} against a fill of {fill_us}"
