@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import dispatch
-from .layout import DEFAULT_HEADS, FIELDS, L, V, Field, Pool, check_and_convert, check_start_matrix
+from .layout import DEFAULT_HEADS, FIELDS, L, V, Pool, checked_start_matrix
 from .reference import pool_writes
 from .validate import (check_flush_args, check_flag, check_pool, check_q0, check_q0_values, check_run_args,
                        check_step_args, check_step_run_args, want_values)
@@ -23,12 +23,11 @@ def flush_inplace(pool: Pool, idx: torch.Tensor, q0: torch.Tensor, *, backend: s
     pool: :class:`Pool`. idx: int32 [N] on the pool's device, slot per row (``<= 0``: no sequence, the row is
     skipped, as engines pad with -1 or 0). q0: fp32 [V, R], the start of the subspace iteration, shared by all
     programs: finite, independent columns near unit norm as :func:`leapquant.default_q0`'s (the kernels form S^T q0's
-    Gram matrix in fp32; its values are read on the host only with ``check_idx``). A program (slot, head) is due when ``hcnt == L``; its
-    checkpoint is rewritten and its window reset (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN ``p = 1``); ``hcnt``
-    stays ``L``. A due program whose window is
-    already empty (every ``w`` 0 and no decay: KDA every ``pcum`` 0, GDN ``p`` 1; ``reference.empty_window``) is left
-    as it is, so a second call without a decode step in between changes nothing. Everything else in the pool stays
-    bitwise untouched.
+    Gram matrix in fp32; its values are read on the host only with ``check_idx``). A program (slot, head) is due
+    when ``hcnt == L``; its checkpoint is rewritten and its window reset (``w = 0``, ``pcum = 0``, ``gbuf = 1``; GDN
+    ``p = 1``); ``hcnt`` stays ``L``. A due program whose window is already empty (every ``w`` 0 and no decay: KDA
+    every ``pcum`` 0, GDN ``p`` 1; ``reference.empty_window``) is left as it is, so a second call without a decode
+    step in between changes nothing. Everything else in the pool stays bitwise untouched.
 
     backend: ``None`` (LEAPQUANT_BACKEND / use_backend / auto), or one of ``auto, reference, triton, tilelang``.
     check_idx: also check idx's values (every slot < num_slots, no slot twice), the fill counts of their programs
@@ -79,8 +78,7 @@ def _scratch_pool(B: int, H: int, device: torch.device, gate: str) -> Pool:
 def _run(gate: str, args: dict[str, torch.Tensor], backend: str | None) -> tuple[torch.Tensor, ...]:
     B, H, dev = check_run_args(gate, args)
     # q0's values too (the functional form reads values on the host anyway): a non-finite start matrix
-    (q0,) = check_and_convert([("q0", args["q0"], Field(("V", "R"), torch.float32), ())], dev)
-    check_start_matrix(q0)
+    q0 = checked_start_matrix(args["q0"], dev)
     if B == 0:                          # no program: empty outputs, as flush_inplace does nothing for no rows
         return tuple(torch.empty((0, H) + FIELDS[n].shape, dtype=FIELDS[n].dtype, device=dev)
                      for n in ("codes", "s_k", "s_v", "u", "q"))

@@ -237,6 +237,14 @@ def check_and_convert(items: Sequence[tuple[str, object, Field, tuple[tuple[str,
     return staged
 
 
+def checked_start_matrix(q0: object, device: torch.device) -> torch.Tensor:
+    """q0 [V, R] as a host path takes it (the functional forms, the deployment calls' value checks): converted to fp32
+    on ``device``, its values finite (:func:`check_and_convert`) and a start matrix (:func:`check_start_matrix`)."""
+    (q0,) = check_and_convert([("q0", q0, Field(("V", "R"), torch.float32), ())], device)
+    check_start_matrix(q0)
+    return q0
+
+
 def check_start_matrix(q0: torch.Tensor) -> None:
     """q0's values (fp32 [V, R], finite, already checked and converted) where a host path reads them: column norms in
     :data:`Q0_NORM_RANGE` and independent columns (:data:`Q0_MIN_EIGEN_RATIO`); raises ``ValueError`` naming q0.

@@ -3,12 +3,13 @@ left untouched.
 
 The deployment call's checks read only tensor metadata (no host synchronisation): the pool's buffers once per pool
 until one of them is replaced, idx and q0 on every call. The *values* of idx (range, repeats) and of q0 need a
-device-to-host copy, so they are checked only when asked: ``flush_inplace(..., check_idx=True)`` or ``LEAPQUANT_CHECK_IDX=1``
-(a debugging switch; it cannot be used while a CUDA graph is being captured). Without it the kernels skip every row
-whose slot is outside ``[1, num_slots)`` (``idx <= 0`` is how engines pad: vLLM with -1, SGLang with 0); a slot that
-appears twice in one call is a caller error the unchecked path does not detect, and so are a fill count outside
-[0, L] (a pool built on the engine's uninitialised buffers and never reset) and a step of a program whose full
-window no flush has folded (the switch checks both: the fill counts for every op, the window for the step).
+device-to-host copy, so they are checked only when asked: ``flush_inplace(..., check_idx=True)`` or
+``LEAPQUANT_CHECK_IDX=1`` (a debugging switch; it cannot be used while a CUDA graph is being captured). Without it
+the kernels skip every row whose slot is outside ``[1, num_slots)`` (``idx <= 0`` is how engines pad: vLLM with -1,
+SGLang with 0); a slot that appears twice in one call is a caller error the unchecked path does not detect, and so
+are a fill count outside [0, L] (a pool built on the engine's uninitialised buffers and never reset) and a step of a
+program whose full window no flush has folded (the switch checks both: the fill counts for every op, the window for
+the step).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import weakref
 import torch
 
 from .layout import (FIELDS, GATES, K, L, R, V, Pool, as_int, buffer_addresses, byte_span, capturing, check_dense,
-                     check_start_matrix, check_tensor, first_overlap, same_objects)
+                     check_tensor, checked_start_matrix, first_overlap, same_objects)
 from .options import name_word
 from .reference import empty_window
 
@@ -196,11 +197,9 @@ def check_q0(pool: Pool, q0: object, out: torch.Tensor | None = None) -> None:
 
 def check_q0_values(q0: torch.Tensor) -> None:
     """q0's values (host-synchronising: with idx's, when the value checks are asked for), as the functional form and
-    ``encode`` check them: finite, independent columns near unit norm (``layout.check_start_matrix``). A start matrix
-    without R independent directions leaves the rank part to rounding noise, on which no two backends agree."""
-    if not bool(torch.isfinite(q0).all()):
-        raise ValueError("q0: expected finite values (the subspace iteration's start, as leapquant.default_q0)")
-    check_start_matrix(q0)
+    ``encode`` check them: finite, independent columns near unit norm (``layout.checked_start_matrix``). A start
+    matrix without R independent directions leaves the rank part to rounding noise, on which no two backends agree."""
+    checked_start_matrix(q0, q0.device)
 
 
 def _expect(name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> None:

@@ -516,7 +516,7 @@ def test_q0_sharing_memory_with_the_pool_or_out_is_refused(gate):
 @pytest.mark.parametrize("bad, match", [
     (lambda q: torch.ones_like(q), "q0: its columns must be independent"),
     (lambda q: q.clone().index_fill_(1, torch.tensor([2], device=q.device), 0.0), "q0: its columns' norms"),
-    (lambda q: q.clone().fill_(float("nan")), "q0: expected finite values"),
+    (lambda q: q.clone().fill_(float("nan")), "q0: values must be finite"),
 ])
 def test_q0_values_are_checked_with_the_value_checks(gate, bad, match):
     """With check_idx (the host-synchronising checks) flush_inplace and decode_inplace check q0's values as run()
