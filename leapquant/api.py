@@ -174,7 +174,8 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
     same rows, which folds exactly the windows this step filled (their fill count is now L; every other program of
     those rows has a fill count below L: the flush skips it). Arguments as the two calls'; returns ``out``.
 
-    Both calls are checked (and their backends chosen) once, before either writes anything. The pair is one call per
+    Both calls are checked (and their backends chosen) once, and the flush's kernel and workspace readied, before
+    either writes anything, so a flush that cannot launch raises with the pool as it was. The pair is one call per
     layer per token for an engine; on the GPU backends both are graph-capturable launches (a separate step kernel and
     flush kernel: not fused). ``backend`` forces both ops' backend, so a backend without a step kernel (TileLang)
     cannot be forced here; auto pairs the Triton step with TileLang's flush where that serves (``leapquant info``
@@ -185,6 +186,8 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
         check_q0_values(q0)
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
     flush_backend = dispatch.select(pool, idx.numel(), backend)
+    if flush_backend.prepare is not None:     # the flush's workspace and kernel before the step writes: a flush that
+        flush_backend.prepare(pool, idx, q0)  # cannot launch must not leave the windows the step filled unfolded
     out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
     flush_backend.flush(pool, idx, q0)
     return out

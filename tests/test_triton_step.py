@@ -210,6 +210,33 @@ def test_empty_idx_launches_nothing():
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_decode_inplace_raises_before_the_step_when_the_flush_cannot_launch(monkeypatch):
+    """decode_inplace readies the flush (workspace, compiled kernel, bound launch) before its step writes: a flush that
+    cannot launch (here its binding fails, as a compile error or a capture without warmup would) raises with the
+    pool byte for byte as it was, instead of after a step that filled windows nobody then folds."""
+    from leapquant.triton import launch
+    pool = lq.Pool(NS, H, gate="kda", device=DEVICE)
+    fill_noise(pool, seed=3)
+    with torch.no_grad():
+        pool.hcnt[2] = L - 1                       # this token fills slot 2's windows: the flush is due
+    before = snapshot(pool)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(1, 2 * H * K + H * V, generator=g).bfloat16().to(DEVICE)
+    a = torch.randn(1, H, K, generator=g).bfloat16().to(DEVICE)
+    b = torch.randn(1, H, generator=g).bfloat16().to(DEVICE)
+    A_log, dt_bias = (t.to(DEVICE) for t in sf.head_constants(H, "kda", g))
+
+    def no_binding(*args, **kwargs):
+        raise RuntimeError("no kernel for this pool")
+    monkeypatch.setattr(launch, "_bind", no_binding)
+    with pytest.raises(RuntimeError, match="no kernel for this pool"):
+        lq.decode_inplace(pool, torch.tensor([2], dtype=torch.int32, device=DEVICE), qkv, a, b, A_log, dt_bias,
+                          lq.default_q0(DEVICE), backend="triton")
+    after = snapshot(pool)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert not changed, f"the step wrote {changed} before the flush failed"
+
+
 # the step kernels' signature for an ahead-of-time compile (both kernels; the portable one adds BV)
 _SIGNATURE = r"""
 sig = {"raw_f32": "*fp32", "raw_u8": "*u8", "raw_f16": "*fp16", "kbuf_ptr": "*bf16", "ubuf_ptr": "*bf16",

@@ -10,7 +10,7 @@ import triton
 
 from .. import dispatch
 from ..layout import Pool
-from .launch import INTERPRETED, KERNEL_ENV, kernel_name_for, flush, step, warmup
+from .launch import INTERPRETED, KERNEL_ENV, kernel_name_for, flush, prepare, step, warmup
 
 #: Triton's bf16 loads need sm_80 (Ampere) or newer
 MIN_CAPABILITY = (8, 0)
@@ -44,6 +44,7 @@ dispatch.register(dispatch.Backend(
     flush=flush,
     reasons=reasons,
     step=step,
+    prepare=prepare,
     description="Triton: one launch of persistent flush programs that rank the due programs on the GPU; on sm_80+ "
                 "a Gluon kernel (tensor-core rank updates), else / on the CPU (TRITON_INTERPRET=1) the tl kernel",
     warmup=warmup,

@@ -254,6 +254,25 @@ def _bound(pool: Pool, ws: _Workspace) -> bool:
     return ok
 
 
+def _ready(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> _Workspace:
+    """The pool's workspace with room for ``idx`` and a launch bound to the pool's current buffers (made here when
+    missing: outside graph capture only, else the RuntimeError that says to warm up first)."""
+    ws = _workspace(pool, idx.numel())
+    if not _bound(pool, ws):
+        _bind(pool, ws, q0, idx)
+    return ws
+
+
+def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
+    """Everything :func:`flush` needs for these arguments but the launch: the workspace, the compiled kernel and its
+    bound launch. :func:`leapquant.decode_inplace` calls it before the step, so that a flush that cannot launch
+    raises before the step has written anything (a step whose flush failed would leave full windows unfolded)."""
+    if idx.numel() == 0:
+        return
+    with on_pool_device(pool), _LAUNCH_LOCK:
+        _ready(pool, idx, q0)
+
+
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Triton backend of :func:`leapquant.flush_inplace` (arguments already validated).
 
@@ -262,9 +281,7 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     if idx.numel() == 0:
         return
     with on_pool_device(pool), _LAUNCH_LOCK:
-        ws = _workspace(pool, idx.numel())
-        if not _bound(pool, ws):
-            _bind(pool, ws, q0, idx)
+        ws = _ready(pool, idx, q0)
         ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
 
 
