@@ -311,8 +311,6 @@ def backend_info(device: torch.device | str | None = None, num_heads: int = DEFA
     pool of this geometry on ``device``.
 
     A backend whose package is not installed is reported from its metadata without importing its module."""
-    import torch
-
     from .layout import Pool, as_int
     _check_op(op)
     rows_n = as_int(num_rows)
