@@ -186,10 +186,14 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
         check_q0_values(q0)
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
     flush_backend = dispatch.select(pool, idx.numel(), backend)
-    if flush_backend.prepare is not None:     # the flush's workspace and kernel before the step writes: a flush that
-        flush_backend.prepare(pool, idx, q0)  # cannot launch must not leave the windows the step filled unfolded
+    # the flush readied before the step writes: one that cannot launch must not leave the step's full windows unfolded
+    if flush_backend.prepare is not None:
+        launch_flush = flush_backend.prepare(pool, idx, q0)
+    else:
+        def launch_flush() -> None:
+            flush_backend.flush(pool, idx, q0)
     out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
-    flush_backend.flush(pool, idx, q0)
+    launch_flush()
     return out
 
 

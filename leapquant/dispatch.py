@@ -80,9 +80,9 @@ class Backend:
     step: Callable[..., None] | None = None
     #: why the step cannot serve a pool, where it differs from ``reasons`` (None: the flush's reasons apply)
     step_reasons: Callable[[Pool], list[str]] | None = None
-    #: everything a flush with these arguments needs but its launch (workspace, compiled kernel): ``prepare(pool,
-    #: idx, q0) -> None``, raising where the flush would; None: nothing to prepare (the reference)
-    prepare: Callable[[Pool, torch.Tensor, torch.Tensor], None] | None = None
+    #: the flush readied (workspace, compiled kernel, bound launch) and returned as its launch: ``prepare(pool, idx,
+    #: q0) -> launch()``, raising where the flush would; None: nothing to ready (the reference: ``flush`` is called)
+    prepare: Callable[[Pool, torch.Tensor, torch.Tensor], Callable[[], None]] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -220,24 +220,29 @@ def _call_args(pool: Pool) -> tuple[FlushConfig, tuple]:
     return cfg, args
 
 
-def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
-    """Everything :func:`flush` needs but the launch (the pool's arguments and the compiled kernel), so that
-    :func:`leapquant.decode_inplace` finds a flush that cannot launch before its step writes anything."""
+def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> Callable[[], None]:
+    """The flush of these arguments readied, returned as its launch: the pool's arguments and the compiled kernel are
+    made (or found) here, so that a flush that cannot launch raises now (:func:`leapquant.decode_inplace` readies its
+    flush before the step writes anything and launches it after the step)."""
     if idx.numel() == 0:
-        return
-    cfg, _ = _call_args(pool)
-    _kernel(cfg)
+        return _no_launch
+    cfg, args = _call_args(pool)
+    kern = _kernel(cfg)
+
+    def flush_launch() -> None:
+        with on_pool_device(pool):
+            kern(*args, q0, idx)
+    return flush_launch
+
+
+def _no_launch() -> None:
+    pass
 
 
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
     """Backend call: flush every due program of ``idx``'s rows in place (slots outside [1, num_slots) are skipped).
     No host synchronisation; the per-pool arguments are made once (a few microseconds of each eager call)."""
-    if idx.numel() == 0:
-        return
-    cfg, args = _call_args(pool)
-    kern = _kernel(cfg)
-    with on_pool_device(pool):
-        kern(*args, q0, idx)
+    prepare(pool, idx, q0)()
 
 
 def versions() -> dict[str, str]:

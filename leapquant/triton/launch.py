@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -263,14 +263,26 @@ def _ready(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> _Workspace:
     return ws
 
 
-def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
-    """Everything :func:`flush` needs for these arguments but the launch: the workspace, the compiled kernel and its
-    bound launch. :func:`leapquant.decode_inplace` calls it before the step, so that a flush that cannot launch
-    raises before the step has written anything (a step whose flush failed would leave full windows unfolded)."""
+def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> Callable[[], None]:
+    """The flush of these arguments readied, returned as its launch: the workspace, the compiled kernel and the
+    launch bound to the pool's buffers are made (or found) here, so that a flush that cannot launch raises now.
+    :func:`leapquant.decode_inplace` readies its flush before the step writes anything (a step whose flush then
+    failed would leave full windows unfolded) and launches it after the step."""
     if idx.numel() == 0:
-        return
+        return _no_launch
     with on_pool_device(pool), _LAUNCH_LOCK:
-        _ready(pool, idx, q0)
+        ws = _ready(pool, idx, q0)
+        args = (*_flush_args(pool, ws, q0, idx), *ws.constants)
+        launch = ws.launch
+
+    def flush_launch() -> None:
+        with on_pool_device(pool), _LAUNCH_LOCK:
+            launch(*args)
+    return flush_launch
+
+
+def _no_launch() -> None:
+    pass
 
 
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
@@ -278,11 +290,7 @@ def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
 
     pool: :class:`~leapquant.layout.Pool`; idx int32 [N] slot per row (<= 0 or >= num_slots: skip); q0 fp32 [V, R].
     One launch of a fixed grid; no host synchronisation, no allocation once the pool's workspace exists."""
-    if idx.numel() == 0:
-        return
-    with on_pool_device(pool), _LAUNCH_LOCK:
-        ws = _ready(pool, idx, q0)
-        ws.launch(*_flush_args(pool, ws, q0, idx), *ws.constants)
+    prepare(pool, idx, q0)()
 
 
 def warmup(pool: Pool) -> None:
