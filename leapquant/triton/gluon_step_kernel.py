@@ -3,14 +3,14 @@
 Same contract, grid and arguments as the portable step kernel (:mod:`leapquant.triton.step_kernel`, which the
 interpreter runs and which serves where Gluon cannot): one program of 2 warps per (row, head), S applied to kn and qn
 without being formed. What differs is that every tensor has a layout chosen so that the sums stay inside a thread,
-and that no load waits for the window's fill count:
+and that the window is read only as far as its fill count:
 
     token           q, k, v, a and b (written before the slot test, as they depend on the row only; ptxas places
                     them after the branch, beside the loads of (1))
     (0) codes       the program's 16 KB of codes start copying into shared memory (cp.async)
-    (1) loads       everything else of the program but ubuf: the whole window's keys and weights (its entries past the
-                    fill count are selected away after the sums, so no load waits for the fill count), the rank
-                    part, the scales; ubuf^T loads in (6), whole as well (fewer registers held by loads in flight)
+    (1) loads       everything else of the program but ubuf: the window's keys and (KDA) decay factors of the entries
+                    before the fill count only (an empty entry's bytes are never read), the rank part, the scales;
+                    ubuf^T loads in (6), its live entries likewise (fewer registers held by loads in flight)
     (2) token       kn, qn: the norms summed on copies holding 16 channels per thread (:data:`CODE_COLS`: 3 shuffles,
                     no exchange between warps); every per-channel quantity (the gate, pcum, s_k, xk, xq) one channel
                     per thread (:data:`KVEC`); KDA's decay products D_j a scan down a column per thread (:data:`WCOL`)
@@ -48,11 +48,11 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 #: warps: KDA batch 64 / 256 / 512 26.9 / 26.1 / 26.9, 87.0 / 82.3 / 95.0, 166.9 / 156.1 / 184.4 us; GDN 22.5 / 21.0 /
 #: 22.0, 67.7 / 65.2 / 66.8, 127.6 / 120.8 / 122.3 us
 WARPS = 2
-#: the launch's register cap per gate (ptxas maxnreg; None: none). KDA runs uncapped (128 registers, 8 programs per
-#: SM); every cap measured slower, its spills costing more than a ninth program gives (H100, fill 15, batch 64 / 256:
-#: uncapped 31.6 / 102.9 us, 112: 33.6 / 110.3, 96: 38.1 / 124.7). GDN runs under 112 (124 registers uncapped, 8
-#: programs; 9 under the cap, no spills): batch 64 27.5 -> 25.7 us, batch 256 / 512 within 0.5 % (H100, same run)
-MAX_REGISTERS = {"kda": None, "gdn": 112}
+#: the launch's register cap per gate (ptxas maxnreg; None: none). Both run under 112: 9 programs per SM instead of 8.
+#: KDA needs 142 registers uncapped (7 programs), spills 8 local-memory instructions under 112 and 10 under 128; on the
+#: H200 (batch 256, fill 1 / 8 / 15) 112 took 66.0 / 71.1 / 77.6 us, 128 68.0 / 72.8 / 79.8. GDN: 124 registers
+#: uncapped, none spilled under 112 (H100, fill 15: batch 64 27.5 -> 25.7 us, 256 / 512 within 0.5 %)
+MAX_REGISTERS = {"kda": 112, "gdn": 112}
 
 _V = gl.constexpr(V)
 _K = gl.constexpr(K)
@@ -229,10 +229,10 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
                                            pool.raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + cc[None, :])
     async_copy.commit_group()
 
-    # ---- (1) every other load of the program, none waiting for the fill count: the whole window is read and its
-    # entries past the fill count are selected away after the sums (the window's bytes are in the bound either way;
-    # loads masked by h make the fill count a memory trip on every program's chain: the design note's variants,
-    # GDN 120.4 -> 80.0 us at batch 256) ----
+    # ---- (1) every other load of the program. The window's entries from the fill count on are never read (masked
+    # loads): its bytes fall with the fill count (fill 1 at batch 256 on the H200: KDA 82.4 -> 66.0 us), and its loads
+    # wait for the fill count, a trip the codes' copy (0) and the token's phase (2) overlap (fill 15: 82.5 -> 77.6,
+    # with the cap of 112; a 4-warp kernel that began with the window and masked it lost 7 %: the design note) ----
     hc = gl.load(pool.hcnt + prog)
     kk = gl.arange(0, _K, layout=KVEC)
     vr = gl.arange(0, _V, layout=VVEC)
@@ -243,7 +243,10 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
     # (Triton lowers a reverse scan by reversing the lanes: 5 shuffles per value, 140 shuffles in all)
     jc = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, CODES))   # the entry of each CODES row
     jv = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(0, VROW))    # ... of each VROW column
-    kwin = gl.load(kb + jc[:, None] * _K + cc[None, :])                 # bf16 [L, K], 16 channels of an entry
+    # fill count: L ("just flushed, empty") reads as 0; outside [0, L] clamped (as the reference)
+    h = gl.where(hc == _L, 0, hc)
+    h = gl.minimum(gl.maximum(h, 0), _L - 1)
+    kwin = gl.load(kb + jc[:, None] * _K + cc[None, :], mask=(jc < h)[:, None], other=0.0)
     w_old = gl.load(wp + jc)                                            # [L], a thread's own entry
     tok = pool.raw_f16 + region * 2 + _TOK_HALF
     rr = gl.arange(0, _R, layout=gl.SliceLayout(1, CODES))
@@ -258,17 +261,14 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
         jl = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
         # entry j + 1's decay factor in row j's place, a column per thread (entry L - 1's row reads its own row:
         # it is never live below)
-        g_next = gl.load(gb + gl.minimum(jl + 1, _L - 1)[:, None] * _K + kk[None, :])
+        g_next = gl.load(gb + gl.minimum(jl + 1, _L - 1)[:, None] * _K + kk[None, :], mask=((jl + 1) < h)[:, None],
+                         other=1.0)
         pcum = gl.load(gp + kk)
         dt = gl.load(dt_ptr + head * _K + kk)
     else:
         p_old = gl.load(pool.gate + prog)
         dt = gl.load(dt_ptr + head)
     A = gl.exp(gl.load(A_log_ptr + head))
-
-    # fill count: L ("just flushed, empty") reads as 0; outside [0, L] clamped (as the reference)
-    h = gl.where(hc == _L, 0, hc)
-    h = gl.minimum(gl.maximum(h, 0), _L - 1)
 
     # ---- (2) the token and the per-channel quantities, a channel per thread ----
     # the sums over the channels run on the CODE_COLS copies (16 channels per thread, 3 shuffles, no exchange between
@@ -345,8 +345,7 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
     # ---- (6) a state row per thread: the window's and the rank part's terms, then the delta rule ----
     # loaded here rather than in (1), to hold fewer registers while the loads are in flight (the design note's
     # variants: GDN 90 registers against 128 with it in (1))
-    ubT = gl.load(ub + jv[None, :] * _V + vr[:, None])                  # bf16 [V, L], a state row per thread
-    ubT = gl.where((jv < h)[None, :], ubT.to(gl.float32), 0.0)          # entries past h: stale, never used
+    ubT = gl.load(ub + jv[None, :] * _V + vr[:, None], mask=(jv < h)[None, :], other=0.0).to(gl.float32)
     # the per-entry and per-rank-row sums to every thread, each pair in one exchange
     tk_r, tq_r = gl.split(gl.convert_layout(gl.join(tk, tq), PAIRS))
     uk_r, uq_r = gl.split(gl.convert_layout(gl.join(uk, uq), PAIRS_R))
