@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 from . import bench_step
 from .bench_common import (CSV_COLUMNS, DUE_FRACTIONS, Row, _fmt, _one_line, _percentile, copy_bandwidth,
                            slot_sets, time_calls, time_calls_kernel, time_calls_wall, timer_floor)
-from .numerics import DEFAULT_HEADS, GATES
+from .numerics import DEFAULT_HEADS, GATES, L
 from .options import UsageError, name_word as _word, parse_device
 
 DEFAULT_GPU_BATCHES = (16, 64, 256, 512)
@@ -250,7 +250,7 @@ def load_programs(pool, slots, t: dict, gate: str) -> None:
     """Write checkpoints and full windows ``t`` (leading dims [n, H]) into ``slots`` (long [n]) of a pool with the
     attributes of :class:`leapquant.layout.Pool`; ``hcnt`` is set to L (due). Plain tensor writes, so an ``--impl``
     module's pool works as long as it has those attributes."""
-    from .layout import K, L
+    from .layout import K
     pool.codes[slots] = t["codes"]
     pool.s_k[slots] = t["s_k"]
     pool.s_v[slots] = t["s_v"]
@@ -458,7 +458,6 @@ def due_pattern(nsets: int, batch: int, heads: int, due: str, seed: int, device)
     state), every other program at a phase in [0, L); a different placement in every set."""
     import torch
 
-    from .layout import L
     g = torch.Generator().manual_seed(seed * 7919 + batch * 31 + heads)
     n = batch * heads
     if due == "all":
@@ -629,6 +628,10 @@ def plan_run(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--max-seconds must be positive, got {args.max_seconds}")
     if args.ref_max_batch is not None and args.ref_max_batch < 1:
         raise UsageError(f"--ref-max-batch must be positive, got {args.ref_max_batch}")
+    if args.op != "flush" and args.impl:
+        raise UsageError("--impl modules are flush implementations (--op flush)")
+    if args.op != "flush" and any(f < 0 or f >= L for f in args.fill):
+        raise UsageError(f"--fill values must be in [0, {L})")
     on_gpu = device.type == "cuda"
     batches = list(dict.fromkeys(args.batch or (DEFAULT_GPU_BATCHES if on_gpu else DEFAULT_CPU_BATCHES)))
     if any(b < 1 for b in batches) or args.heads < 1 or args.check_rows < 1:
@@ -1065,13 +1068,7 @@ def run_op(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[str] 
     those named), fla beside them, every (gate, batch) checked and timed."""
     import leapquant
 
-    from .layout import L, step_program_bytes
-    if args.impl:
-        print("leapquant bench: error: --impl modules are flush implementations (--op flush)", file=sys.stderr)
-        return EXIT_USAGE
-    if any(f < 0 or f >= L for f in args.fill):
-        print(f"leapquant bench: error: --fill values must be in [0, {L})", file=sys.stderr)
-        return EXIT_USAGE
+    from .layout import step_program_bytes
     names = args.backends
     if names is None:
         names = [r["name"] for r in leapquant.backend_info(plan.device, args.heads, args.gate[0], op="step")

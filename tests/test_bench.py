@@ -412,3 +412,12 @@ def test_step_and_decode_ops_on_the_cpu(tmp_path):
         assert {h["op"] for h in _rows(rec / "history.csv")} == {op}
     assert bench.main(["--op", "step", "--impl", "x.py"]) == bench.EXIT_USAGE
     assert bench.main(["--op", "step", "--fill", "16"]) == bench.EXIT_USAGE
+
+
+@pytest.mark.parametrize("argv", [["--op", "step", "--impl", "x.py"], ["--op", "decode", "--fill", "16"],
+                                  ["--op", "step", "--fill", "-1"]])
+def test_step_usage_errors_come_before_the_device_is_probed(argv):
+    """A usage error of --op step / decode is the planner's (:func:`bench.plan_run`), which runs before the GPU load
+    probe: on a GPU that other processes load, it used to exit as busy (3) instead of as a usage error (2)."""
+    with pytest.raises(bench.UsageError):
+        bench.plan_run(bench.build_parser().parse_args(argv))
