@@ -184,13 +184,20 @@ def due_program_bytes(gate: str = "kda") -> int:
     return CHECKPOINT_BYTES + window + CHECKPOINT_BYTES + reset
 
 
-def step_program_bytes(gate: str = "kda") -> int:
-    """Fewest bytes one decode step program moves (SPEC section 7's memory bound): the checkpoint, the window and
-    this token (q, k, v, a, b in bf16) read; the output, the appended entry, its weight (GDN: the live weights it
-    decays), the gate state and the fill count written."""
+#: the window's per-entry fields: a step needs only the entries before the fill count
+ENTRY_FIELDS = {"kda": ("kbuf", "ubuf", "gbuf"), "gdn": ("kbuf", "ubuf")}
+
+
+def step_program_bytes(gate: str = "kda", fill: int | None = None) -> int:
+    """Bytes one decode step program moves: the checkpoint, the window and this token (q, k, v, a, b in bf16) read;
+    the output, the appended entry, its weight (GDN: the live weights it decays), the gate state and the fill count
+    written. ``fill=None``: the whole window read (SPEC section 7's memory bound, 34,894 B KDA); ``fill=h``: only
+    its entries before ``h`` (the fewest a step at fill ``h`` must read, what the Triton step kernel reads)."""
     token = 2 * (2 * K + V) + (2 * K if gate == "kda" else 2) + 2
     read = CHECKPOINT_BYTES + sum(map(field_bytes, WINDOW_FIELDS[gate])) + token
-    entry = sum(field_bytes(n) // L for n in ("kbuf", "ubuf") + (("gbuf",) if gate == "kda" else ()))
+    if fill is not None:
+        read -= (L - fill) * sum(field_bytes(n) // L for n in ENTRY_FIELDS[gate])
+    entry = sum(field_bytes(n) // L for n in ENTRY_FIELDS[gate])
     weights = 4 if gate == "kda" else field_bytes("w")
     gate_state = field_bytes("pcum" if gate == "kda" else "p")
     written = 2 * V + entry + weights + gate_state + field_bytes("hcnt")

@@ -411,3 +411,18 @@ def test_forked_sequences_step_alike(gate):
     for name in pool.window_tensors():
         t = getattr(pool, name)
         assert torch.equal(t[2].contiguous().view(torch.uint8), t[4].contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_step_program_bytes_counts_the_live_entries(gate):
+    """The step's byte count: SPEC section 7's bound counts the whole window (34.1 KB KDA); at fill h only the h live
+    entries of kbuf, ubuf (and KDA's gbuf) are read, each entry fewer one entry's bytes less."""
+    from leapquant.layout import ENTRY_FIELDS, field_bytes, step_program_bytes
+    whole = step_program_bytes(gate)
+    assert step_program_bytes(gate, L) == whole
+    if gate == "kda":
+        assert whole == 34894 and round(whole / 1024, 1) == 34.1
+    entry = sum(field_bytes(n) for n in ENTRY_FIELDS[gate]) // L
+    assert entry == (6 if gate == "kda" else 4) * K
+    for h in range(L):
+        assert whole - step_program_bytes(gate, h) == (L - h) * entry
