@@ -467,10 +467,11 @@ print(len(k.asm["cubin"]), sass.count("LDGSTS"), sass.count("LDL") + sass.count(
 """
 
 
-#: local-memory instructions the kernel may hold as the launch builds it (2 warps, gluon_step_kernel.MAX_REGISTERS;
-#: triton 3.6's ptxas): KDA (uncapped) 6 on sm_90, where ptxas stops at 128 registers (146 on sm_80 and 139 on
-#: sm_100, no spills); GDN (under 112) none
-STEP_SPILL_BUDGET = {"kda": 6, "gdn": 0}
+#: local-memory instructions the kernel holds as the launch builds it (2 warps, both gates under
+#: gluon_step_kernel.MAX_REGISTERS' cap of 112; triton 3.6's ptxas), per gate and target: KDA 24 / 8 / 22 on sm_80 /
+#: sm_90 / sm_100 (142 registers on sm_90 uncapped: the cap buys the ninth program per SM that the H200's timings
+#: were taken with), GDN none
+STEP_SPILL_BUDGET = {"kda": {80: 24, 90: 8, 100: 22}, "gdn": {80: 0, 90: 0, 100: 0}}
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
@@ -484,6 +485,6 @@ def test_gluon_step_kernel_compiles(capability, gate):
     run = _gluon_child(_GLUON_COMPILE, str(capability), gate)
     cubin, ldgsts, spills = map(int, run.stdout.split())
     assert cubin > 0 and ldgsts > 0, f"sm_{capability}: no cp.async copies"
-    assert spills <= STEP_SPILL_BUDGET[gate], f"sm_{capability}: {spills} local-memory accesses"
+    assert spills <= STEP_SPILL_BUDGET[gate][capability], f"sm_{capability}: {spills} local-memory accesses"
 
 
