@@ -191,12 +191,17 @@ ENTRY_FIELDS = {"kda": ("kbuf", "ubuf", "gbuf"), "gdn": ("kbuf", "ubuf")}
 def step_program_bytes(gate: str = "kda", fill: int | None = None) -> int:
     """Bytes one decode step program moves: the checkpoint, the window and this token (q, k, v, a, b in bf16) read;
     the output, the appended entry, its weight (GDN: the live weights it decays), the gate state and the fill count
-    written. ``fill=None``: the whole window read (SPEC section 7's memory bound, 34,894 B KDA); ``fill=h``: only
-    its entries before ``h`` (the fewest a step at fill ``h`` must read, what the Triton step kernel reads)."""
+    written. ``fill=None``: the whole window read (SPEC section 7's memory bound, 34,894 B KDA). ``fill=h`` (``0 <=
+    h < L``): only what a step at fill ``h`` needs of it, what both Triton step kernels read: the keys and ubuf rows
+    of entries ``0 .. h - 1`` and KDA's decay factors of entries ``1 .. h - 1`` (entry j's decay is the product of the
+    later entries' factors), with the weights, gate state and fill count whole."""
     token = 2 * (2 * K + V) + (2 * K if gate == "kda" else 2) + 2
     read = CHECKPOINT_BYTES + sum(map(field_bytes, WINDOW_FIELDS[gate])) + token
     if fill is not None:
-        read -= (L - fill) * sum(field_bytes(n) // L for n in ENTRY_FIELDS[gate])
+        if not 0 <= fill < L:
+            raise ValueError(f"fill: a step's fill count is in [0, {L}), got {fill}")
+        read -= sum((L - (max(fill - 1, 0) if n == "gbuf" else fill)) * (field_bytes(n) // L)
+                    for n in ENTRY_FIELDS[gate])
     entry = sum(field_bytes(n) // L for n in ENTRY_FIELDS[gate])
     weights = 4 if gate == "kda" else field_bytes("w")
     gate_state = field_bytes("pcum" if gate == "kda" else "p")

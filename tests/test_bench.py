@@ -418,6 +418,6 @@ def test_step_and_decode_ops_on_the_cpu(tmp_path):
                                   ["--op", "step", "--fill", "-1"]])
 def test_step_usage_errors_come_before_the_device_is_probed(argv):
     """A usage error of --op step / decode is the planner's (:func:`bench.plan_run`), which runs before the GPU load
-    probe: on a GPU that other processes load, it used to exit as busy (3) instead of as a usage error (2)."""
+    probe, so that it exits as a usage error (2) and not as busy (3) on a GPU that other processes load."""
     with pytest.raises(bench.UsageError):
         bench.plan_run(bench.build_parser().parse_args(argv))

@@ -415,14 +415,16 @@ def test_forked_sequences_step_alike(gate):
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_step_program_bytes_counts_the_live_entries(gate):
-    """The step's byte count: SPEC section 7's bound counts the whole window (34.1 KB KDA); at fill h only the h live
-    entries of kbuf, ubuf (and KDA's gbuf) are read, each entry fewer one entry's bytes less."""
-    from leapquant.layout import ENTRY_FIELDS, field_bytes, step_program_bytes
+    """The step's byte count: SPEC section 7's bound reads the whole window (34,894 B KDA, SPEC's 34.1 KiB); at fill h
+    a step reads the keys and ubuf rows of the h live entries and KDA's decay factors of entries 1 .. h - 1."""
+    from leapquant.layout import field_bytes, step_program_bytes
     whole = step_program_bytes(gate)
-    assert step_program_bytes(gate, L) == whole
     if gate == "kda":
         assert whole == 34894 and round(whole / 1024, 1) == 34.1
-    entry = sum(field_bytes(n) for n in ENTRY_FIELDS[gate]) // L
-    assert entry == (6 if gate == "kda" else 4) * K
+    row = field_bytes("kbuf") // L                                   # 256 B: one entry of kbuf, ubuf or gbuf
     for h in range(L):
-        assert whole - step_program_bytes(gate, h) == (L - h) * entry
+        factors = (L - max(h - 1, 0)) if gate == "kda" else 0
+        assert whole - step_program_bytes(gate, h) == (2 * (L - h) + factors) * row, h
+    for bad in (-1, L):
+        with pytest.raises(ValueError, match="fill"):
+            step_program_bytes(gate, bad)

@@ -147,9 +147,10 @@ def test_deployment_footprint(gate, hk, beta_bf16):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_stale_window_entries_never_reach_the_outputs(gate, backend):
-    """Window entries past the fill count (j >= h: stale, left by earlier windows) are loaded by the Gluon kernel
-    and selected away after its sums: with them NaN / inf (kbuf, ubuf, w, KDA gbuf) the step writes exactly the bytes
-    it writes with them finite, and leaves the stale entries past h as they were."""
+    """Window entries past the fill count (j >= h: stale, left by earlier windows) never reach a sum: the kernels do
+    not read their keys, decay factors or ubuf rows, and the Gluon kernel reads their weights (the 16 weights whole)
+    and selects them away. With them NaN / inf (kbuf, ubuf, w, KDA gbuf) the step writes exactly the bytes it writes
+    with them finite, and leaves the stale entries past h as they were."""
     hk = H if gate == "kda" else 2
     runs = []
     for poison in (False, True):

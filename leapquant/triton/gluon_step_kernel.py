@@ -8,9 +8,10 @@ and that the window is read only as far as its fill count:
     token           q, k, v, a and b (written before the slot test, as they depend on the row only; ptxas places
                     them after the branch, beside the loads of (1))
     (0) codes       the program's 16 KB of codes start copying into shared memory (cp.async)
-    (1) loads       everything else of the program but ubuf: the window's keys and (KDA) decay factors of the entries
-                    before the fill count only (an empty entry's bytes are never read), the rank part, the scales;
-                    ubuf^T loads in (6), its live entries likewise (fewer registers held by loads in flight)
+    (1) loads       everything else of the program but ubuf: the window's keys and (KDA) decay factors only where the
+                    fill count needs them (an empty entry's rows are never read; its weight is, the 16 weights being
+                    64 bytes), the rank part, the scales; ubuf^T loads in (6), its live entries likewise (fewer
+                    registers held by loads in flight)
     (2) token       kn, qn: the norms summed on copies holding 16 channels per thread (:data:`CODE_COLS`: 3 shuffles,
                     no exchange between warps); every per-channel quantity (the gate, pcum, s_k, xk, xq) one channel
                     per thread (:data:`KVEC`); KDA's decay products D_j a scan down a column per thread (:data:`WCOL`)
@@ -49,9 +50,10 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 #: 22.0, 67.7 / 65.2 / 66.8, 127.6 / 120.8 / 122.3 us
 WARPS = 2
 #: the launch's register cap per gate (ptxas maxnreg; None: none). Both run under 112: 9 programs per SM instead of 8.
-#: KDA needs 142 registers uncapped (7 programs), spills 8 local-memory instructions under 112 and 10 under 128; on the
-#: H200 (batch 256, fill 1 / 8 / 15) 112 took 66.0 / 71.1 / 77.6 us, 128 68.0 / 72.8 / 79.8. GDN: 124 registers
-#: uncapped, none spilled under 112 (H100, fill 15: batch 64 27.5 -> 25.7 us, 256 / 512 within 0.5 %)
+#: KDA needs 142 registers uncapped on sm_90 (7 programs), spills 8 local-memory instructions under 112 and 10 under
+#: 128 (under 112: 24 on sm_80, 22 on sm_100, not timed there); on the H200 (batch 256, fill 1 / 8 / 15) 112 took
+#: 66.0 / 71.1 / 77.6 us, 128 68.0 / 72.8 / 79.8. GDN: 124 registers uncapped, none spilled under 112 (H100, fill 15:
+#: batch 64 27.5 -> 25.7 us, 256 / 512 within 0.5 %)
 MAX_REGISTERS = {"kda": 112, "gdn": 112}
 
 _V = gl.constexpr(V)
@@ -229,10 +231,10 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
                                            pool.raw_i8 + region * 4 + _CODES_BYTE + cv[:, None] * _K + cc[None, :])
     async_copy.commit_group()
 
-    # ---- (1) every other load of the program. The window's entries from the fill count on are never read (masked
-    # loads): its bytes fall with the fill count (fill 1 at batch 256 on the H200: KDA 82.4 -> 66.0 us), and its loads
-    # wait for the fill count, a trip the codes' copy (0) and the token's phase (2) overlap (fill 15: 82.5 -> 77.6,
-    # with the cap of 112; a 4-warp kernel that began with the window and masked it lost 7 %: the design note) ----
+    # ---- (1) every other load of the program. The window's rows from the fill count on are never read (masked
+    # loads): its bytes fall with the fill count (fill 1 at batch 256 on the H200: KDA 82.4 -> 66.0 us against the
+    # whole window read), and its loads wait for the fill count, a trip the codes' copy (0) and the token's phase (2)
+    # overlap in part (fill 15: KDA 82.5 -> 77.6 with the cap's ninth program per SM, GDN 64.2 -> 65.7) ----
     hc = gl.load(pool.hcnt + prog)
     kk = gl.arange(0, _K, layout=KVEC)
     vr = gl.arange(0, _V, layout=VVEC)
@@ -259,8 +261,8 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
     if IS_KDA:
         gp = pool.gate + prog * _K
         jl = (_L - 1) - gl.arange(0, _L, layout=gl.SliceLayout(1, WCOL))
-        # entry j + 1's decay factor in row j's place, a column per thread (entry L - 1's row reads its own row:
-        # it is never live below)
+        # entry j + 1's decay factor in row j's place, a column per thread, where j + 1 < h (entry L - 1's row never
+        # is: its address is clamped into the window and its load masked off)
         g_next = gl.load(gb + gl.minimum(jl + 1, _L - 1)[:, None] * _K + kk[None, :], mask=((jl + 1) < h)[:, None],
                          other=1.0)
         pcum = gl.load(gp + kk)
