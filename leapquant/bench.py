@@ -1079,8 +1079,8 @@ def run_op(args: argparse.Namespace, plan: Plan, load: str, argv: Sequence[str] 
     env = environment(args, plan, load, argv)
     env["bytes_line"] = (f"memory bound: every program x {step_program_bytes('kda')} B (kda) / "
                          f"{step_program_bytes('gdn')} B (gdn) per step program (`step_program_bytes`: the whole "
-                         "window, as SPEC section 7 counts it; the Triton step reads only the entries before the fill "
-                         "count, so at a small fill it moves less and can run below this bound)"
+                         "window, as SPEC section 7 counts it; the Triton step reads only the window rows its fill "
+                         "count needs, so at a small fill it moves less and can run below this bound)"
                          + (", plus the due programs' flush bytes" if args.op == "decode" else "")
                          + "; fla: the state read and written")
     run = Run(args=args, plan=plan, env=env, q0=None, checks=None, prog=Progress(0, args.quiet))

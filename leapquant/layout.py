@@ -184,17 +184,18 @@ def due_program_bytes(gate: str = "kda") -> int:
     return CHECKPOINT_BYTES + window + CHECKPOINT_BYTES + reset
 
 
-#: the window's per-entry fields: a step needs only the entries before the fill count
+#: the window's per-entry rows (kbuf, ubuf, KDA's gbuf): a step reads only those its fill count needs
 ENTRY_FIELDS = {"kda": ("kbuf", "ubuf", "gbuf"), "gdn": ("kbuf", "ubuf")}
 
 
 def step_program_bytes(gate: str = "kda", fill: int | None = None) -> int:
     """Bytes one decode step program moves: the checkpoint, the window and this token (q, k, v, a, b in bf16) read;
     the output, the appended entry, its weight (GDN: the live weights it decays), the gate state and the fill count
-    written. ``fill=None``: the whole window read (SPEC section 7's memory bound, 34,894 B KDA). ``fill=h`` (``0 <=
-    h < L``): only what a step at fill ``h`` needs of it, what both Triton step kernels read: the keys and ubuf rows
-    of entries ``0 .. h - 1`` and KDA's decay factors of entries ``1 .. h - 1`` (entry j's decay is the product of the
-    later entries' factors), with the weights, gate state and fill count whole."""
+    written. ``fill=None``: the whole window read and every weight written (SPEC section 7's memory bound, 34,894 B
+    KDA). ``fill=h`` (``0 <= h < L``): only what a step at fill ``h`` needs, as the Triton step kernels read it: the
+    keys and ubuf rows of entries ``0 .. h - 1``, KDA's decay factors of entries ``1 .. h - 1`` (entry j's decay is
+    the product of the later entries' factors), the 16 weights (64 B: the Gluon kernel reads them whole), the gate
+    state and the fill count; GDN writes the weights of entries ``0 .. h``."""
     token = 2 * (2 * K + V) + (2 * K if gate == "kda" else 2) + 2
     read = CHECKPOINT_BYTES + sum(map(field_bytes, WINDOW_FIELDS[gate])) + token
     if fill is not None:
@@ -203,7 +204,7 @@ def step_program_bytes(gate: str = "kda", fill: int | None = None) -> int:
         read -= sum((L - (max(fill - 1, 0) if n == "gbuf" else fill)) * (field_bytes(n) // L)
                     for n in ENTRY_FIELDS[gate])
     entry = sum(field_bytes(n) // L for n in ENTRY_FIELDS[gate])
-    weights = 4 if gate == "kda" else field_bytes("w")
+    weights = 4 if gate == "kda" else field_bytes("w") if fill is None else 4 * (fill + 1)
     gate_state = field_bytes("pcum" if gate == "kda" else "p")
     written = 2 * V + entry + weights + gate_state + field_bytes("hcnt")
     return read + written

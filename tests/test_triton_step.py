@@ -470,8 +470,8 @@ print(len(k.asm["cubin"]), sass.count("LDGSTS"), sass.count("LDL") + sass.count(
 
 #: local-memory instructions the kernel holds as the launch builds it (2 warps, both gates under
 #: gluon_step_kernel.MAX_REGISTERS' cap of 112; triton 3.6's ptxas), per gate and target: KDA 24 / 8 / 22 on sm_80 /
-#: sm_90 / sm_100 (142 registers on sm_90 uncapped: the cap buys the ninth program per SM that the H200's timings
-#: were taken with), GDN none
+#: sm_90 / sm_100 (142 registers on sm_90 uncapped, 7 programs per SM; the cap gives the 9 the H200's timings were
+#: taken with), GDN none
 STEP_SPILL_BUDGET = {"kda": {80: 24, 90: 8, 100: 22}, "gdn": {80: 0, 90: 0, 100: 0}}
 
 

@@ -49,11 +49,11 @@ assert V == 128 and K == 128 and L == 16 and R == 4, "the layouts below are writ
 #: warps: KDA batch 64 / 256 / 512 26.9 / 26.1 / 26.9, 87.0 / 82.3 / 95.0, 166.9 / 156.1 / 184.4 us; GDN 22.5 / 21.0 /
 #: 22.0, 67.7 / 65.2 / 66.8, 127.6 / 120.8 / 122.3 us
 WARPS = 2
-#: the launch's register cap per gate (ptxas maxnreg; None: none). Both run under 112: 9 programs per SM instead of 8.
-#: KDA needs 142 registers uncapped on sm_90 (7 programs), spills 8 local-memory instructions under 112 and 10 under
-#: 128 (under 112: 24 on sm_80, 22 on sm_100, not timed there); on the H200 (batch 256, fill 1 / 8 / 15) 112 took
-#: 66.0 / 71.1 / 77.6 us, 128 68.0 / 72.8 / 79.8. GDN: 124 registers uncapped, none spilled under 112 (H100, fill 15:
-#: batch 64 27.5 -> 25.7 us, 256 / 512 within 0.5 %)
+#: the launch's register cap per gate (ptxas maxnreg; None: none): 112 for both, 9 programs per SM on sm_90. KDA needs
+#: 142 registers uncapped there (7 programs), spills 8 local-memory instructions under 112 and 10 under 128 (8
+#: programs; under 112: 24 on sm_80, 22 on sm_100, not timed there); on the H200 (batch 256, fill 1 / 8 / 15) 112 took
+#: 66.0 / 71.1 / 77.6 us, 128 68.0 / 72.8 / 79.8. GDN needs 104 registers uncapped (9 programs either way) and was
+#: timed under 112
 MAX_REGISTERS = {"kda": 112, "gdn": 112}
 
 _V = gl.constexpr(V)
@@ -232,9 +232,9 @@ def _step_program(scratch, pool, token, A_log_ptr, dt_ptr, out_ptr, row, head, s
     async_copy.commit_group()
 
     # ---- (1) every other load of the program. The window's rows from the fill count on are never read (masked
-    # loads): its bytes fall with the fill count (fill 1 at batch 256 on the H200: KDA 82.4 -> 66.0 us against the
-    # whole window read), and its loads wait for the fill count, a trip the codes' copy (0) and the token's phase (2)
-    # overlap in part (fill 15: KDA 82.5 -> 77.6 with the cap's ninth program per SM, GDN 64.2 -> 65.7) ----
+    # loads): its bytes fall with the fill count, and its loads wait for the fill count, a trip the codes' copy (0)
+    # and the token's phase (2) overlap in part (H200, batch 256, against the whole window read: the design note's
+    # variants) ----
     hc = gl.load(pool.hcnt + prog)
     kk = gl.arange(0, _K, layout=KVEC)
     vr = gl.arange(0, _V, layout=VVEC)
