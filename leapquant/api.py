@@ -4,6 +4,7 @@
 ``op="step"``."""
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -187,11 +188,8 @@ def decode_inplace(pool: Pool, idx: torch.Tensor, qkv: torch.Tensor, a: torch.Te
     step_backend = dispatch.select(pool, idx.numel(), backend, op="step")
     flush_backend = dispatch.select(pool, idx.numel(), backend)
     # the flush readied before the step writes: one that cannot launch must not leave the step's full windows unfolded
-    if flush_backend.prepare is not None:
-        launch_flush = flush_backend.prepare(pool, idx, q0)
-    else:
-        def launch_flush() -> None:
-            flush_backend.flush(pool, idx, q0)
+    launch_flush = (flush_backend.prepare(pool, idx, q0) if flush_backend.prepare is not None
+                    else functools.partial(flush_backend.flush, pool, idx, q0))
     out = _launch_step(step_backend, pool, idx, qkv, a, b, A_log, dt_bias, out, hk, beta_bf16)
     launch_flush()
     return out

@@ -85,6 +85,10 @@ class Backend:
     prepare: Callable[[Pool, torch.Tensor, torch.Tensor], Callable[[], None]] | None = None
 
 
+def no_launch() -> None:
+    """A backend's ``prepare`` for a call with nothing to launch (no rows)."""
+
+
 _REGISTRY: dict[str, Backend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 _LOGGED: set[tuple] = set()

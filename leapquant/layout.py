@@ -204,7 +204,10 @@ def step_program_bytes(gate: str = "kda", fill: int | None = None) -> int:
         read -= sum((L - (max(fill - 1, 0) if n == "gbuf" else fill)) * (field_bytes(n) // L)
                     for n in ENTRY_FIELDS[gate])
     entry = sum(field_bytes(n) // L for n in ENTRY_FIELDS[gate])
-    weights = 4 if gate == "kda" else field_bytes("w") if fill is None else 4 * (fill + 1)
+    if gate == "kda":
+        weights = 4                                 # w[h] = 1
+    else:                                           # the live weights decayed, and w[h]
+        weights = field_bytes("w") if fill is None else 4 * (fill + 1)
     gate_state = field_bytes("pcum" if gate == "kda" else "p")
     written = 2 * V + entry + weights + gate_state + field_bytes("hcnt")
     return read + written

@@ -225,7 +225,7 @@ def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> Callable[[], Non
     made (or found) here, so that a flush that cannot launch raises now (:func:`leapquant.decode_inplace` readies its
     flush before the step writes anything and launches it after the step)."""
     if idx.numel() == 0:
-        return _no_launch
+        return dispatch.no_launch
     cfg, args = _call_args(pool)
     kern = _kernel(cfg)
 
@@ -233,10 +233,6 @@ def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> Callable[[], Non
         with on_pool_device(pool):
             kern(*args, q0, idx)
     return flush_launch
-
-
-def _no_launch() -> None:
-    pass
 
 
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:

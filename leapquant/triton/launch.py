@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 import triton
 
+from .. import dispatch
 from ..layout import Pool, buffer_addresses, capturing, on_pool_device, slot_stride
 from ..validate import binding_current, checked_record
 from . import step_kernel, tl_kernel
@@ -254,24 +255,18 @@ def _bound(pool: Pool, ws: _Workspace) -> bool:
     return ok
 
 
-def _ready(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> _Workspace:
-    """The pool's workspace with room for ``idx`` and a launch bound to the pool's current buffers (made here when
-    missing: outside graph capture only, else the RuntimeError that says to warm up first)."""
-    ws = _workspace(pool, idx.numel())
-    if not _bound(pool, ws):
-        _bind(pool, ws, q0, idx)
-    return ws
-
-
 def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> Callable[[], None]:
     """The flush of these arguments readied, returned as its launch: the workspace, the compiled kernel and the
-    launch bound to the pool's buffers are made (or found) here, so that a flush that cannot launch raises now.
+    launch bound to the pool's buffers are made (or found) here, so that a flush that cannot launch raises now (a
+    missing binding is made outside graph capture only, else the RuntimeError that says to warm up first).
     :func:`leapquant.decode_inplace` readies its flush before the step writes anything (a step whose flush then
     failed would leave full windows unfolded) and launches it after the step."""
     if idx.numel() == 0:
-        return _no_launch
+        return dispatch.no_launch
     with on_pool_device(pool), _LAUNCH_LOCK:
-        ws = _ready(pool, idx, q0)
+        ws = _workspace(pool, idx.numel())
+        if not _bound(pool, ws):
+            _bind(pool, ws, q0, idx)
         args = (*_flush_args(pool, ws, q0, idx), *ws.constants)
         launch = ws.launch
 
@@ -279,10 +274,6 @@ def prepare(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> Callable[[], Non
         with on_pool_device(pool), _LAUNCH_LOCK:
             launch(*args)
     return flush_launch
-
-
-def _no_launch() -> None:
-    pass
 
 
 def flush(pool: Pool, idx: torch.Tensor, q0: torch.Tensor) -> None:
